@@ -1,0 +1,70 @@
+"""Step metrics to the terminal (progress bar), metrics.jsonl and TensorBoard event files.
+
+Only process 0 writes. Values arrive as device arrays one step late, so fetching them never
+stalls the device queue (see Trainer).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import jax
+
+
+def device_memory() -> dict:
+    """Bytes in use / peak on local device 0, where the backend reports it (not on CPU)."""
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # backends without memory stats raise or return None
+        stats = None
+    if not stats:
+        return {}
+    out = {"memory_in_use_gb": stats.get("bytes_in_use", 0) / 2**30}
+    if "peak_bytes_in_use" in stats:
+        out["memory_peak_gb"] = stats["peak_bytes_in_use"] / 2**30
+    return out
+
+
+class MetricsWriter:
+    def __init__(self, workdir: str, total_steps: int, start_step: int = 0, enabled: bool = True):
+        self.enabled = enabled
+        self.bar = None
+        if not enabled:
+            return
+        from tensorboardX import SummaryWriter
+        os.makedirs(workdir, exist_ok=True)
+        self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+        self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True)
+
+    def write(self, step: int, metrics: dict, kind: str = "train", echo: bool = True) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (float(v) if v is not None else None) for k, v in metrics.items()}
+        self.jsonl.write(json.dumps({"step": step, "kind": kind, **clean}) + "\n")
+        self.jsonl.flush()
+        for k, v in clean.items():
+            if v is not None and math.isfinite(v):
+                self.tb.add_scalar(f"{kind}/{k}", v, step)
+        summary = " ".join(f"{k}={v:.4g}" for k, v in clean.items()
+                           if k in ("loss", "perplexity", "tokens_per_sec", "mfu") and v is not None)
+        if self.bar is not None:
+            if kind == "train":
+                self.bar.update(step - self.bar.n)
+            self.bar.set_postfix_str(summary if kind == "train" else f"[{kind}] {summary}")
+            if kind != "train":
+                self.bar.write(f"step {step} [{kind}] {summary}")
+        elif echo:
+            print(f"step {step} [{kind}] {summary}", flush=True)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        self.jsonl.close()
+        self.tb.close()

@@ -1,0 +1,53 @@
+"""AdamW with warmup + decay and global-norm clipping (optax)."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import optax
+
+NO_DECAY_LEAVES = ("scale", "bias")  # norm scales and biases are not weight-decayed
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    learning_rate: float = 3e-4
+    warmup_steps: int = 100
+    decay: str = "cosine"  # cosine | linear | constant
+    min_lr_ratio: float = 0.1  # final learning rate as a fraction of the peak
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float | None = 1.0
+
+
+def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    if cfg.warmup_steps < 0 or cfg.learning_rate <= 0:
+        raise ValueError(f"need warmup_steps >= 0 and learning_rate > 0, got {cfg}")
+    warmup = min(cfg.warmup_steps, total_steps)
+    decay_steps = max(total_steps - warmup, 1)
+    peak, end = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
+    decays = {
+        "cosine": lambda: optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.min_lr_ratio),
+        "linear": lambda: optax.linear_schedule(peak, end, decay_steps),
+        "constant": lambda: optax.constant_schedule(peak),
+    }
+    if cfg.decay not in decays:
+        raise ValueError(f"unknown learning-rate decay {cfg.decay!r}; choose one of {sorted(decays)}")
+    ramp = optax.linear_schedule(peak / max(warmup, 1), peak, max(warmup - 1, 1))
+    return optax.join_schedules([ramp, decays[cfg.decay]()], [warmup]) if warmup else decays[cfg.decay]()
+
+
+def _decay_mask(params):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[-1], "key", None) not in NO_DECAY_LEAVES, params)
+
+
+def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    schedule = make_schedule(cfg, total_steps)
+    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                        weight_decay=cfg.weight_decay, mask=_decay_mask)
+    if cfg.clip_norm:
+        return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw), schedule
+    return adamw, schedule

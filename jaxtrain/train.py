@@ -1,0 +1,39 @@
+"""`python -m jaxtrain.train --gin_file=F --gin_param='X.y=z' --workdir=DIR`
+
+Trains the experiment the gin config describes (configs/default.gin when no file is given),
+resuming from the latest checkpoint in the workdir.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from jaxtrain.launch import add_common_flags, fail, start
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxtrain.train", description=__doc__)
+    add_common_flags(parser)
+    parser.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl and TensorBoard events go here")
+    args = parser.parse_args(argv)
+    start(args)
+
+    import gin
+    from jaxtrain.config import load_experiment
+    from jaxtrain.trainer import Trainer
+
+    try:
+        exp = load_experiment()
+        trainer = Trainer(exp, args.workdir)
+    except (ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    os.makedirs(args.workdir, exist_ok=True)
+    with open(os.path.join(args.workdir, "config.gin"), "w") as f:
+        f.write(gin.config_str())
+    trainer.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

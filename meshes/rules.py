@@ -1,0 +1,129 @@
+"""Logical-axis rule tables: which mesh axes each logical dimension name is split over.
+
+Models name every parameter and activation dimension logically (`embed`, `heads`, `mlp`,
+`batch`, `length`, ...). A RuleSet maps those names to mesh axes, separately for
+parameters, activations and optimizer state, so data parallel, FSDP/ZeRO, tensor parallel
+and sequence parallel are different tables over the same model code.
+
+Resolution of one tensor walks its dimensions in order; each takes the mesh axes its rule
+names, skipping axes an earlier dimension of the same tensor already took and axes of size 1.
+A dimension that the product of its axes does not divide keeps the longest prefix that does
+(e.g. an odd vocabulary stays replicated); model configs validate the dimensions where
+silent replication would be wrong (heads over tensor) before anything is built.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from typing import Mapping, Sequence
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+Table = Mapping[str, tuple[str, ...]]
+DATA_PARALLEL_AXES = ("data", "expert")  # expert acts as data parallel for dense parts
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleSet:
+    name: str
+    params: Table
+    activations: Table
+    optimizer: Table | None = None  # None: optimizer state follows params
+
+    @property
+    def optimizer_table(self) -> Table:
+        return self.optimizer if self.optimizer is not None else self.params
+
+
+def spec_for(names: Sequence[str | None], shape: Sequence[int], table: Table, mesh) -> PartitionSpec:
+    if len(names) != len(shape):
+        raise ValueError(f"logical axes {tuple(names)} do not match shape {tuple(shape)}")
+    used: set[str] = set()
+    entries = []
+    for name, dim in zip(names, shape):
+        axes = [a for a in table.get(name, ()) if a not in used and mesh.shape[a] > 1] if name else []
+        while axes and dim % math.prod(mesh.shape[a] for a in axes):
+            axes.pop()
+        used.update(axes)
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    return PartitionSpec(*entries)
+
+
+# ---- the tables ---------------------------------------------------------------------------
+
+_ACTIVATIONS: Table = {
+    "batch": DATA_PARALLEL_AXES,
+    "length": ("context",),
+    "residual_length": ("context",),  # the residual stream between blocks
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "vocab": ("tensor",),
+}
+_TENSOR_PARALLEL_PARAMS: Table = {
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "vocab": ("tensor",),
+}
+# FSDP / ZeRO-3: the embed dimension of every weight is also split over the data-parallel axes.
+_FSDP_PARAMS: Table = {**_TENSOR_PARALLEL_PARAMS, "embed": DATA_PARALLEL_AXES + ("context",)}
+# Sequence parallel: between blocks the residual stream is split over tensor as well, turning
+# the tensor-parallel all-reduces into reduce-scatter + all-gather pairs.
+_SEQUENCE_PARALLEL_ACTIVATIONS: Table = {**_ACTIVATIONS, "residual_length": ("context", "tensor")}
+
+RULE_SETS: dict[str, RuleSet] = {
+    r.name: r for r in (
+        RuleSet("dp", _TENSOR_PARALLEL_PARAMS, _ACTIVATIONS),
+        RuleSet("zero1", _TENSOR_PARALLEL_PARAMS, _ACTIVATIONS, optimizer=_FSDP_PARAMS),
+        RuleSet("fsdp", _FSDP_PARAMS, _ACTIVATIONS),
+        RuleSet("dp_sp", _TENSOR_PARALLEL_PARAMS, _SEQUENCE_PARALLEL_ACTIVATIONS),
+        RuleSet("fsdp_sp", _FSDP_PARAMS, _SEQUENCE_PARALLEL_ACTIVATIONS),
+    )
+}
+
+
+def get_rule_set(name: str) -> RuleSet:
+    if name not in RULE_SETS:
+        raise ValueError(f"unknown rule table {name!r}; choose one of {sorted(RULE_SETS)}")
+    return RULE_SETS[name]
+
+
+# ---- the active (mesh, rules) while a model is traced -------------------------------------
+
+_ACTIVE: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("jaxtrain_rules", default=None)
+
+
+@contextlib.contextmanager
+def use_rules(mesh, rules: RuleSet):
+    """Activation constraints inside this block resolve against `mesh` and `rules`.
+
+    Jitted functions must be traced inside it; build one jitted function per (mesh, rules).
+    """
+    token = _ACTIVE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_mesh():
+    active = _ACTIVE.get()
+    return active[0] if active else None
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Sharding constraint on an activation by logical names; a no-op outside `use_rules`."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    spec = spec_for(names, x.shape, rules.activations, mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def named_sharding(mesh, names: Sequence[str | None], shape: Sequence[int], table: Table) -> NamedSharding:
+    return NamedSharding(mesh, spec_for(names, shape, table, mesh))

@@ -1,0 +1,32 @@
+"""Grouped-query attention with rotary positions and packed-sequence masking."""
+from __future__ import annotations
+
+import math
+
+from flax import nnx
+
+from meshes.rules import constrain
+from models.layers.attention_core import attention_mask, dot_product_attention
+from models.layers.dense import Dense
+from models.layers.rope import apply_rope
+
+
+class GroupedQueryAttention(nnx.Module):
+    def __init__(self, embed: int, heads: int, kv_heads: int, head_dim: int, *, inv_freq,
+                 rngs: nnx.Rngs, use_bias: bool = False, init_std: float = 0.02, dtype=None):
+        if heads % kv_heads:
+            raise ValueError(f"heads={heads} is not a multiple of kv_heads={kv_heads}")
+        kw = dict(rngs=rngs, use_bias=use_bias, init_std=init_std, dtype=dtype)
+        self.q = Dense((embed,), (heads, head_dim), in_axes=("embed",), out_axes=("heads", "head_dim"), **kw)
+        self.k = Dense((embed,), (kv_heads, head_dim), in_axes=("embed",), out_axes=("kv_heads", "head_dim"), **kw)
+        self.v = Dense((embed,), (kv_heads, head_dim), in_axes=("embed",), out_axes=("kv_heads", "head_dim"), **kw)
+        self.o = Dense((heads, head_dim), (embed,), in_axes=("heads", "head_dim"), out_axes=("embed",), **kw)
+        self.inv_freq = tuple(float(f) for f in inv_freq)  # static: part of the graph, not state
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def __call__(self, x, positions, segment_ids):
+        q = constrain(apply_rope(self.q(x), positions, self.inv_freq), ("batch", "length", "heads", None))
+        k = constrain(apply_rope(self.k(x), positions, self.inv_freq), ("batch", "length", "kv_heads", None))
+        v = constrain(self.v(x), ("batch", "length", "kv_heads", None))
+        mask = attention_mask(segment_ids, segment_ids)
+        return self.o(dot_product_attention(q, k, v, mask, scale=self.scale))

@@ -1,0 +1,36 @@
+"""Parameters carry their logical axis names as metadata; meshes/rules.py turns names into shardings."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+LOGICAL_AXES = "logical_axes"
+
+
+def param(rngs: nnx.Rngs, init: Callable, shape: Sequence[int], axes: Sequence[str | None],
+          dtype=jnp.float32) -> nnx.Param:
+    if len(axes) != len(shape):
+        raise ValueError(f"parameter of shape {tuple(shape)} named with {len(axes)} axes {tuple(axes)}")
+    return nnx.Param(init(rngs.params(), tuple(shape), dtype), **{LOGICAL_AXES: tuple(axes)})
+
+
+def normal(std: float) -> Callable:
+    return lambda key, shape, dtype: std * jax.random.normal(key, shape, dtype)
+
+
+def zeros(key, shape, dtype):
+    return jnp.zeros(shape, dtype)
+
+
+def ones(key, shape, dtype):
+    return jnp.ones(shape, dtype)
+
+
+def logical_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
+    names = variable.get_metadata().get(LOGICAL_AXES)
+    if names is None:
+        raise ValueError(f"variable of shape {variable.shape} has no logical axis names")
+    return tuple(names)

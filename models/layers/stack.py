@@ -1,0 +1,53 @@
+"""A stack of identical layers stored with a leading `layers` axis and applied by `lax.scan`.
+
+Scanning compiles one layer instead of N (compile time stays flat in depth), and the stacked
+layout is the canonical on-disk layout that pipeline stages regroup in memory.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from flax import nnx
+
+from models.layers.params import LOGICAL_AXES
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _prepend_layers_axis(variable: nnx.Variable) -> nnx.Variable:
+    names = variable.get_metadata().get(LOGICAL_AXES)
+    return variable.replace(**{LOGICAL_AXES: ("layers",) + tuple(names)}) if names is not None else variable
+
+
+class LayerStack(nnx.Module):
+    """`make_layer(rngs)` builds one layer; its call is `layer(x, *args) -> (x, aux)`."""
+
+    def __init__(self, make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, *,
+                 rngs: nnx.Rngs, remat: str = "none"):
+        if num_layers < 1:
+            raise ValueError(f"a layer stack needs at least one layer, got {num_layers}")
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"unknown remat policy {remat!r}; choose one of {sorted(REMAT_POLICIES)}")
+        self.num_layers, self.remat = num_layers, remat
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: make_layer(nnx.Rngs(0))))
+        keys = jax.random.split(rngs.params(), num_layers)
+        state = jax.vmap(lambda key: nnx.state(make_layer(nnx.Rngs(params=key))))(keys)
+        state = jax.tree.map(_prepend_layers_axis, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        self.layers = nnx.merge(graphdef, state)
+
+    def __call__(self, x, *args):
+        graphdef, state = nnx.split(self.layers)
+
+        def one_layer(carry, layer_state):
+            return nnx.merge(graphdef, layer_state)(carry, *args)
+
+        if self.remat != "none":
+            one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        x, aux = jax.lax.scan(one_layer, x, state)
+        return x, aux  # aux: each leaf stacked per layer

@@ -1,0 +1,94 @@
+"""The Llama family: pre-norm blocks of grouped-query attention and a SwiGLU MLP."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+from flax import nnx
+
+from models.causal_lm import CausalLM, add_residual
+from models.dtypes import dtype_from_name
+from models.layers.attention import GroupedQueryAttention
+from models.layers.mlp import SwiGLU
+from models.layers.norm import RMSNorm
+from models.layers.rope import NoScaling
+from models.layers.stack import LayerStack
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 512
+    embed: int = 256
+    layers: int = 4
+    heads: int = 8
+    kv_heads: int = 4
+    head_dim: int | None = None  # defaults to embed // heads
+    mlp: int = 768
+    rope_theta: float = 10000.0
+    rope_scaling: object = NoScaling()
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    init_std: float = 0.02
+    dtype: str = "float32"  # compute dtype; parameters stay float32
+    remat: str = "none"
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.embed // self.heads
+
+    def validate(self, mesh_sizes: Mapping[str, int]) -> None:
+        """Errors for a model that cannot be laid out on a mesh, before anything is built."""
+        tensor = mesh_sizes.get("tensor", 1)
+        for name in ("heads", "kv_heads"):
+            if getattr(self, name) % tensor:
+                raise ValueError(f"LlamaConfig.{name}={getattr(self, name)} is not divisible by the "
+                                 f"tensor axis size {tensor}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"LlamaConfig.heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
+        if self.mlp % tensor:
+            raise ValueError(f"LlamaConfig.mlp={self.mlp} is not divisible by the tensor axis size {tensor}")
+        for name in ("vocab_size", "embed", "layers", "heads", "kv_heads", "mlp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)}")
+
+    def build(self, rngs: nnx.Rngs) -> CausalLM:
+        return build_llama(self, rngs)
+
+    def param_count(self, include_embeddings: bool = True) -> int:
+        d, hd = self.embed, self.resolved_head_dim
+        attn = d * hd * (2 * self.heads + 2 * self.kv_heads)
+        per_layer = attn + 3 * d * self.mlp + 2 * d
+        emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return self.layers * per_layer + d + (emb if include_embeddings else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x matmul params + causal attention scores and values."""
+        matmul_params = self.param_count(include_embeddings=False) + self.vocab_size * self.embed
+        attention = 6 * self.layers * self.heads * self.resolved_head_dim * seq_len  # 12·l·h·d·s/2 (causal)
+        return 6 * matmul_params + attention
+
+
+class LlamaBlock(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        dtype = dtype_from_name(cfg.dtype)
+        self.attn_norm = RMSNorm(cfg.embed, rngs=rngs, eps=cfg.norm_eps)
+        self.attn = GroupedQueryAttention(
+            cfg.embed, cfg.heads, cfg.kv_heads, cfg.resolved_head_dim,
+            inv_freq=cfg.rope_scaling.inv_freq(cfg.resolved_head_dim, cfg.rope_theta),
+            rngs=rngs, use_bias=cfg.attention_bias, init_std=cfg.init_std, dtype=dtype)
+        self.mlp_norm = RMSNorm(cfg.embed, rngs=rngs, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.embed, cfg.mlp, rngs=rngs, use_bias=cfg.mlp_bias, init_std=cfg.init_std, dtype=dtype)
+
+    def __call__(self, x, positions, segment_ids):
+        x = add_residual(x, self.attn(self.attn_norm(x), positions, segment_ids))
+        x = add_residual(x, self.mlp(self.mlp_norm(x)))
+        return x, {}
+
+
+def build_llama(cfg: LlamaConfig, rngs: nnx.Rngs) -> CausalLM:
+    blocks = LayerStack(lambda r: LlamaBlock(cfg, rngs=r), cfg.layers, rngs=rngs, remat=cfg.remat)
+    return CausalLM(vocab=cfg.vocab_size, embed=cfg.embed, stacks={"blocks": blocks},
+                    norm_eps=cfg.norm_eps, tie_embeddings=cfg.tie_embeddings, rngs=rngs,
+                    init_std=cfg.init_std, dtype=dtype_from_name(cfg.dtype))

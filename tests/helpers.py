@@ -1,0 +1,69 @@
+"""Shared builders for tests: tiny models, random packed batches, short training runs."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jaxtrain.config import TrainConfig
+from jaxtrain.optim import OptimizerConfig, make_optimizer
+from jaxtrain.state import init_state, state_shardings
+from jaxtrain.step import batch_shardings, make_train_step
+from meshes.mesh import MeshConfig, build_mesh
+from meshes.rules import get_rule_set
+from models.llama import LlamaConfig
+
+TINY_LLAMA = LlamaConfig(vocab_size=96, embed=32, layers=2, heads=4, kv_heads=4, mlp=64)
+TINY_TRAIN = TrainConfig(steps=3, global_batch=16, seq_len=16, log_every=1)
+TINY_OPT = OptimizerConfig(learning_rate=1e-2, warmup_steps=1)
+
+
+def random_packed_batch(seed: int, batch: int, length: int, vocab: int) -> dict:
+    """Rows of 1-3 documents each, with segment ids, per-document positions and a loss mask."""
+    rng = np.random.default_rng(seed)
+    inputs = rng.integers(0, vocab, (batch, length), dtype=np.int32)
+    targets = rng.integers(0, vocab, (batch, length), dtype=np.int32)
+    segment_ids = np.zeros((batch, length), np.int32)
+    positions = np.zeros((batch, length), np.int32)
+    for r in range(batch):
+        cuts = sorted(rng.choice(np.arange(1, length), size=rng.integers(0, 3), replace=False))
+        bounds = [0, *cuts, length]
+        for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            segment_ids[r, a:b] = s + 1
+            positions[r, a:b] = np.arange(b - a)
+    loss_mask = np.ones((batch, length), np.float32)
+    loss_mask[:, -1] = 0.0
+    return dict(inputs=inputs, targets=targets, segment_ids=segment_ids, positions=positions, loss_mask=loss_mask)
+
+
+def train_losses(mesh_cfg: MeshConfig, *, model=TINY_LLAMA, train=TINY_TRAIN, opt=TINY_OPT, rules="dp",
+                 devices=None, steps: int = 3, seed: int = 0):
+    """Runs `steps` train steps on fresh random batches; returns (losses, final params on host)."""
+    devices = devices if devices is not None else jax.devices()
+    mesh = build_mesh(mesh_cfg, devices)
+    rule_set = get_rule_set(rules)
+    tx, schedule = make_optimizer(opt, train.steps)
+    graphdef, _, shardings = state_shardings(model, tx, mesh, rule_set)
+    bsh = batch_shardings(mesh, rule_set, train.global_batch, train.seq_len)
+    step_fn = make_train_step(graphdef, tx, schedule, mesh=mesh, rules=rule_set, state_shardings=shardings,
+                              batch_sharding=bsh, microbatches=train.microbatches, loss_chunk=train.loss_chunk,
+                              z_loss=train.z_loss)
+    state = init_state(model, tx, shardings, seed)
+    losses = []
+    for i in range(steps):
+        host = random_packed_batch(100 + i, train.global_batch, train.seq_len, model.vocab_size)
+        batch = {k: jax.device_put(v, bsh[k]) for k, v in host.items()}
+        state, metrics = step_fn(state, batch)
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), jax.device_get(state["params"])
+
+
+def assert_trees_close(a, b, rtol, atol=0.0):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def with_train(**kw) -> TrainConfig:
+    return dataclasses.replace(TINY_TRAIN, **kw)
