@@ -44,9 +44,13 @@ def simulate_devices_if_needed(gin_files, gin_params, num_processes: int) -> Non
     for path in gin_files:
         if not os.path.exists(path):
             fail(f"gin file not found: {path}")
-    gin.parse_config_files_and_bindings(gin_files, gin_params, skip_unknown=True, finalize_config=False)
-    needed = GinMeshConfig().fixed_device_count()
-    gin.clear_config()
+    try:
+        gin.parse_config_files_and_bindings(gin_files, gin_params, skip_unknown=True, finalize_config=False)
+        needed = GinMeshConfig().fixed_device_count()
+    except Exception:  # the strict parse after jax starts reports config errors clearly
+        needed = 1
+    finally:
+        gin.clear_config()
     flags = os.environ.get("XLA_FLAGS", "")
     if needed > 1 and _DEVICE_FLAG not in flags:
         per_process = max(needed // max(num_processes, 1), 1)

@@ -1,0 +1,82 @@
+"""The train CLI end to end, and its errors on bad input."""
+import json
+import os
+import subprocess
+import sys
+
+import gin
+import pytest
+
+from jaxtrain import train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = [  # keep compiles small; the default config's own size is exercised by `make train`
+    "--gin_param=LlamaConfig.embed=32", "--gin_param=LlamaConfig.layers=2", "--gin_param=LlamaConfig.mlp=64",
+    "--gin_param=TrainConfig.seq_len=32", "--gin_param=TrainConfig.eval_batches=1",
+]
+
+
+def run_cli(args, env_extra=None):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "jaxtrain.train", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_default_config_trains_end_to_end(tmp_path):
+    workdir = tmp_path / "run"
+    proc = run_cli([f"--workdir={workdir}", "--gin_param=TrainConfig.steps=3", *TINY])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train_rows] == [1, 2, 3]
+    assert all(r["loss"] > 0 and r["tokens_per_sec"] > 0 for r in train_rows)
+    assert any(r["kind"] == "eval" and r["perplexity"] > 1 for r in rows)
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(workdir / "tensorboard"))
+    assert (workdir / "checkpoints" / "3" / "params").is_dir()
+    assert "mesh pipeline=1 x data=4" in proc.stdout  # the default simulates 8 CPU devices
+
+
+def in_process(args, capsys):
+    """Runs the CLI in this process (16 simulated devices: the mesh is data=8 x tensor=2)."""
+    args = [args[0], "--gin_param=MeshConfig.data=8", *args[1:]]
+    gin.clear_config()
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(args)
+    gin.clear_config()
+    return exit_info.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bindings, message", [
+    (["DataConfig.train_files=['no/such/file.txt']"], "no/such/file.txt"),
+    (["LlamaConfig.heads=6", "LlamaConfig.kv_heads=3"], "kv_heads=3 is not divisible by the tensor axis size 2"),
+    (["LlamaConfig.heads=6", "LlamaConfig.kv_heads=2", "MeshConfig.data=4", "MeshConfig.tensor=4"],
+     "heads=6 is not divisible by the tensor axis size 4"),
+    (["TrainConfig.steps=0"], "TrainConfig.steps must be positive"),
+    (["TrainConfig.global_batch=-8"], "TrainConfig.global_batch must be positive"),
+    (["TrainConfig.nonexistent=3"], "nonexistent"),
+    (["MeshConfig.data=2"], "needs 4 devices but 16 are available"),
+    (["TrainConfig.global_batch=6"], "not divisible by the data-parallel size 8"),
+])
+def test_bad_input_is_a_clear_error(tmp_path, capsys, bindings, message):
+    workdir = tmp_path / "run"
+    code, err = in_process([f"--workdir={workdir}", *TINY, *[f"--gin_param={b}" for b in bindings]], capsys)
+    assert code != 0
+    assert message in err, err
+    assert not (workdir / "checkpoints").exists() and not (workdir / "config.gin").exists()
+
+
+def test_empty_corpus_is_a_clear_error(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n   \n")
+    code, err = in_process([f"--workdir={tmp_path / 'run'}", *TINY, f"--gin_param=DataConfig.train_files=['{empty}']"],
+                           capsys)
+    assert code != 0 and "empty corpus" in err and str(empty) in err
+
+
+def test_mesh_not_matching_devices_exits_nonzero_from_a_real_process(tmp_path):
+    proc = run_cli([f"--workdir={tmp_path / 'run'}", *TINY],
+                   env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=6"})
+    assert proc.returncode != 0
+    assert "needs 8 devices but 6 are available" in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,42 @@
+"""Resume: 6 steps straight equal 3 steps + restart + 3 steps (params, optimizer, step and
+data iterator all restored), also when the restart uses another mesh layout."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import TINY_LLAMA, TINY_OPT, assert_trees_close
+from jaxtrain.config import Experiment, TrainConfig
+from jaxtrain.data import DataConfig
+from jaxtrain.trainer import Trainer
+from meshes.mesh import MeshConfig
+
+
+def experiment(mesh: MeshConfig, rules="dp") -> Experiment:
+    train = TrainConfig(steps=6, global_batch=16, seq_len=32, eval_every=0, eval_batches=1,
+                        checkpoint_every=0, rules=rules, log_every=100, async_checkpoint=True)
+    return Experiment(model=TINY_LLAMA, mesh=mesh, train=train, data=DataConfig(), optimizer=TINY_OPT)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    trainer = Trainer(experiment(MeshConfig(data=8, tensor=2)), str(tmp_path_factory.mktemp("straight")))
+    history = trainer.run()
+    return [h["loss"] for h in history], jax.device_get(trainer.final_state["params"])
+
+
+@pytest.mark.parametrize("second_mesh, rules", [
+    (MeshConfig(data=8, tensor=2), "dp"),
+    (MeshConfig(data=2, context=2, tensor=4), "fsdp"),
+])
+def test_restart_continues_identically(straight, tmp_path, second_mesh, rules):
+    losses, params = straight
+    first = Trainer(experiment(MeshConfig(data=8, tensor=2)), str(tmp_path)).run(stop_after=3)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3"]
+    second_trainer = Trainer(experiment(second_mesh, rules), str(tmp_path))
+    second = second_trainer.run()
+    assert [h["step"] for h in first + second] == [1, 2, 3, 4, 5, 6]
+    resumed = [h["loss"] for h in first + second]
+    np.testing.assert_allclose(resumed, losses, rtol=1e-5)
+    assert_trees_close(jax.device_get(second_trainer.final_state["params"]), params, rtol=1e-4, atol=1e-4)
