@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import gin
+import numpy as np
 import pytest
 
 from jaxtrain import train
@@ -23,10 +24,16 @@ def run_cli(args, env_extra=None):
                           capture_output=True, text=True, timeout=600)
 
 
-def test_default_config_trains_end_to_end(tmp_path):
-    workdir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("cli") / "run"
     proc = run_cli([f"--workdir={workdir}", "--gin_param=TrainConfig.steps=3", *TINY])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir, proc
+
+
+def test_default_config_trains_end_to_end(trained):
+    workdir, proc = trained
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in train_rows] == [1, 2, 3]
@@ -80,3 +87,17 @@ def test_mesh_not_matching_devices_exits_nonzero_from_a_real_process(tmp_path):
     assert proc.returncode != 0
     assert "needs 8 devices but 6 are available" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_eval_cli_scores_a_raw_text_file(trained, tmp_path):
+    workdir, _ = trained
+    text = tmp_path / "wiki.test.raw"
+    text.write_text(" = Heading = \n\n A paragraph of text , with WikiText spacing .\n\n" * 20)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain.eval", f"--workdir={workdir}", f"--data={text}",
+                           "--stride=8"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["checkpoint_step"] == 3
+    assert result["tokens"] == len(text.read_bytes()) - 1  # byte tokens: every byte after the first
+    assert result["perplexity"] == pytest.approx(np.exp(result["loss"]))

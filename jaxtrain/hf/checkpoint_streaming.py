@@ -1,0 +1,113 @@
+"""jaxtrain checkpoints written and read one stack row at a time, so converting never holds a
+whole model in host memory.
+
+Orbax saves a tree of arrays that already exist. For conversion the leaves are instead
+`StreamedArray`s: a private type handler opens the same TensorStore array Orbax would and
+writes it row by row as the rows are produced, with one row per storage chunk. The result is
+an ordinary params-only checkpoint: jaxtrain.checkpoint.Checkpointer restores it onto any mesh.
+Reading for export is the reverse: a handler returns the opened TensorStore arrays instead of
+their contents, and rows are read when asked for.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterable
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+
+from jaxtrain.hf.errors import HFCheckpointError
+
+Rows = Callable[[], Iterable[tuple[tuple[int, ...], np.ndarray]]]
+
+
+class StreamedArray:
+    """A checkpoint leaf of `shape`, produced as (index, block) pairs by `rows()`: `index`
+    selects leading positions (() for the whole array) and `block` fills them."""
+
+    def __init__(self, shape, dtype, stacked_axes: int, rows: Rows):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.chunk_shape = (1,) * stacked_axes + self.shape[stacked_axes:]
+        self.rows = rows
+
+
+class _StreamingWriter(ocp.type_handlers.NumpyHandler):
+    async def serialize(self, values, infos, args=None):
+        args = args or [ocp.SaveArgs()] * len(values)
+        for value, info, arg in zip(values, infos, args):  # one leaf at a time bounds memory
+            await info.await_path_creation()
+            if jax.process_index() != 0:
+                continue
+            spec = ocp.type_handlers.get_json_tspec_write(
+                info, use_ocdbt=info.is_ocdbt_checkpoint, global_shape=value.shape,
+                local_shape=value.chunk_shape, dtype=value.dtype,
+                process_index=jax.process_index() if info.is_ocdbt_checkpoint else None, arg=arg)
+            store = await ts.open(ts.Spec(spec), create=True, open=True, context=info.ts_context)
+            for index, block in value.rows():
+                await store[index].write(np.asarray(block, value.dtype))
+        return []  # everything is on disk already; nothing left to commit in the background
+
+
+class _LazyArray:
+    """Restore type asking the reader below for unread TensorStore arrays."""
+
+
+class _LazyReader(ocp.type_handlers.NumpyHandler):
+    async def deserialize(self, infos, args=None):
+        stores = []
+        for info in infos:
+            spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=info.is_ocdbt_checkpoint)
+            stores.append(await ts.open(ts.Spec(spec), open=True, context=info.ts_context))
+        return stores
+
+
+def save_streamed_params(checkpoint_dir: str, step: int, params) -> None:
+    """Writes a params-only checkpoint `checkpoint_dir/<step>` from a tree of StreamedArrays."""
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (StreamedArray, _StreamingWriter()),
+        (jax.Array, ocp.type_handlers.get_type_handler(jax.Array)),
+    )
+    options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
+    manager = ocp.CheckpointManager(os.path.abspath(checkpoint_dir), options=options,
+                                    item_handlers={"params": ocp.PyTreeCheckpointHandler(type_handler_registry=registry)})
+    try:
+        manager.save(step, args=ocp.args.Composite(params=ocp.args.PyTreeSave(params)), force=True)
+        manager.wait_until_finished()
+    finally:
+        manager.close()
+
+
+class CheckpointSource:
+    """The params of `checkpoint_dir/<step>`, one stack row per `layer(path, index)` call."""
+
+    def __init__(self, checkpoint_dir: str, step: int, abstract_params: dict):
+        item = os.path.join(os.path.abspath(checkpoint_dir), str(step), "params")
+        if not os.path.isdir(item):
+            raise HFCheckpointError(f"checkpoint {checkpoint_dir}/{step} has no params item")
+        registry = ocp.type_handlers.create_type_handler_registry(
+            (_LazyArray, _LazyReader()),
+            (jax.Array, ocp.type_handlers.get_type_handler(jax.Array)),
+        )
+        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=_LazyArray), abstract_params)
+        checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry))
+        try:
+            stores = checkpointer.restore(item, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+        except (KeyError, ValueError, FileNotFoundError) as e:
+            raise HFCheckpointError(f"{item}: cannot open the params the config describes: {e}") from e
+        finally:
+            checkpointer.close()
+        self.stores = {}
+        for path, store in jax.tree_util.tree_leaves_with_path(stores):
+            name = "/".join(str(getattr(k, "key", k)) for k in path)
+            self.stores[name] = store
+        for path, expected in jax.tree_util.tree_leaves_with_path(abstract_params):
+            name = "/".join(str(getattr(k, "key", k)) for k in path)
+            got = tuple(self.stores[name].shape) if name in self.stores else None
+            if got != tuple(expected.shape):
+                raise HFCheckpointError(f"{item}: parameter {name} has shape {got}, but the config implies "
+                                        f"{tuple(expected.shape)}")
+
+    def layer(self, path: str, index: tuple[int, ...]) -> np.ndarray:
+        return self.stores[path][index].read().result()
