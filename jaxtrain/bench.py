@@ -1,0 +1,149 @@
+"""`python -m jaxtrain.bench step --gin_file=F [--layout data=8,tensor=2,rules=fsdp ...] [--compile_only]`
+
+For each layout (default: the config's own), compiles the train step on abstract arrays and
+prints XLA's per-device memory (arguments, outputs, temporaries) and collective counts; unless
+--compile_only, also runs it and prints step time, tokens/s and MFU. Layouts run side by side
+in one process, so their ratios are comparable even on a noisy machine. Compile-only sizing
+allocates nothing, so full-size models can be sized on CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+from jaxtrain.launch import add_common_flags, fail, start
+
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
+
+def parse_layout(spec: str) -> tuple[dict, str | None]:
+    mesh, rules = {}, None
+    for part in filter(None, spec.split(",")):
+        key, _, value = part.partition("=")
+        if key == "rules":
+            rules = value
+        elif key in ("pipeline", "data", "context", "expert", "tensor"):
+            mesh[key] = int(value)
+        else:
+            raise ValueError(f"layout {spec!r}: unknown key {key!r} (mesh axes or rules)")
+    return mesh, rules
+
+
+def bench_layout(exp, *, steps: int, compile_only: bool) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxtrain.flops import peak_flops
+    from jaxtrain.hlo_stats import collective_stats
+    from jaxtrain.optim import make_optimizer
+    from jaxtrain.state import init_state, state_shardings
+    from jaxtrain.step import batch_shardings, make_train_step
+    from jaxtrain.trainer import check_layout
+    from meshes.mesh import build_mesh
+    from meshes.rules import get_rule_set
+
+    t = exp.train
+    mesh = build_mesh(exp.mesh)
+    check_layout(exp, mesh)
+    rules = get_rule_set(t.rules)
+    tx, schedule = make_optimizer(exp.optimizer, t.steps)
+    graphdef, abstract, shardings = state_shardings(exp.model, tx, mesh, rules)
+    bsh = batch_shardings(mesh, rules, t.global_batch, t.seq_len)
+    step = make_train_step(graphdef, tx, schedule, mesh=mesh, rules=rules, state_shardings=shardings,
+                           batch_sharding=bsh, microbatches=t.microbatches, loss_chunk=t.loss_chunk, z_loss=t.z_loss)
+    dtypes = {"loss_mask": jnp.float32}
+    abstract_batch = {k: jax.ShapeDtypeStruct((t.global_batch, t.seq_len), dtypes.get(k, jnp.int32), sharding=s)
+                      for k, s in bsh.items()}
+    t0 = time.perf_counter()
+    compiled = step.lower(abstract, abstract_batch).compile()
+    out = {"compile_s": time.perf_counter() - t0}
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        for name in ("argument", "output", "temp", "generated_code"):
+            out[f"{name}_gb"] = getattr(mem, f"{name}_size_in_bytes", 0) / 2**30
+    out["collectives"] = collective_stats(compiled.as_text())
+    if compile_only:
+        return out
+    state = init_state(exp.model, tx, shardings, t.seed)
+    rng = np.random.default_rng(0)
+    host = {"inputs": rng.integers(0, exp.model.vocab_size, (t.global_batch, t.seq_len), dtype=np.int32),
+            "segment_ids": np.ones((t.global_batch, t.seq_len), np.int32),
+            "positions": np.broadcast_to(np.arange(t.seq_len, dtype=np.int32), (t.global_batch, t.seq_len)),
+            "loss_mask": np.ones((t.global_batch, t.seq_len), np.float32)}
+    host["targets"] = np.roll(host["inputs"], -1, axis=1)
+    batch = {k: jax.device_put(v, bsh[k]) for k, v in host.items()}
+    times = []
+    for i in range(steps + 2):  # two warm-up steps
+        t1 = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        if i >= 2:
+            times.append(time.perf_counter() - t1)
+    step_time = statistics.median(times)
+    tps = t.global_batch * t.seq_len / step_time
+    peak = peak_flops(jax.devices()[0].device_kind, t.peak_flops_per_device)
+    out.update(step_time_s=step_time, tokens_per_sec=tps,
+               mfu=exp.model.flops_per_token(t.seq_len) * tps / (peak * mesh.size) if peak else None)
+    return out
+
+
+def format_row(name: str, r: dict) -> str:
+    coll = r.get("collectives", {})
+    coll_text = " ".join(f"{op}:{v['count']}/{v['bytes'] / 2**20:.1f}MiB" for op, v in coll.items() if v["count"])
+    fields = [f"{name:<34}"]
+    if "step_time_s" in r:
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
+        fields += [f"step {1e3 * r['step_time_s']:8.1f} ms", f"{r['tokens_per_sec']:9.0f} tok/s", f"MFU {mfu}"]
+    fields += [f"args {r.get('argument_gb', 0):.3f} GB", f"out {r.get('output_gb', 0):.3f} GB",
+               f"temp {r.get('temp_gb', 0):.3f} GB", f"compile {r['compile_s']:.1f}s"]
+    return " | ".join(fields) + (f"\n{'':<34}   collectives {coll_text}" if coll_text else "")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxtrain.bench", description=__doc__)
+    parser.add_argument("what", choices=["step"])
+    add_common_flags(parser)
+    parser.add_argument("--layout", action="append", default=[],
+                        help="e.g. data=8,tensor=2,rules=fsdp (repeatable; default: the config's mesh)")
+    parser.add_argument("--compile_only", action="store_true")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps after two warm-up steps")
+    args = parser.parse_args(argv)
+    try:
+        layouts = [(spec, *parse_layout(spec)) for spec in args.layout]
+    except ValueError as e:
+        fail(str(e))
+    if layouts and _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        needed = max(math.prod(m.values()) for _, m, _ in layouts)
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}={needed}".strip()
+    start(args)
+
+    import dataclasses
+
+    import jax
+
+    from jaxtrain.config import load_experiment
+
+    try:
+        base = load_experiment()
+    except ValueError as e:
+        fail(str(e))
+    print(f"# {jax.devices()[0].device_kind} x {jax.device_count()}, model {type(base.model).__name__}, "
+          f"batch {base.train.global_batch} x {base.train.seq_len}", flush=True)
+    for spec, mesh_sizes, rules in layouts or [("config", {}, None)]:
+        full = {a: 1 for a in ("pipeline", "data", "context", "expert", "tensor")} if mesh_sizes else {}
+        exp = dataclasses.replace(base, mesh=dataclasses.replace(base.mesh, **{**full, **mesh_sizes}),
+                                  train=dataclasses.replace(base.train, rules=rules or base.train.rules))
+        try:
+            print(format_row(spec, bench_layout(exp, steps=args.steps, compile_only=args.compile_only)), flush=True)
+        except ValueError as e:
+            print(f"{spec:<34} | error: {e}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
