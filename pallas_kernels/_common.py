@@ -1,4 +1,4 @@
-"""Helpers shared by the kernel files: impl dispatch, Triton params, block checks.
+"""Shared by the kernel files: impl dispatch, Triton params, tiles, masks.
 
 Single-device only: nothing here knows about meshes, models or configs.
 """
@@ -16,13 +16,14 @@ def target_platform() -> str:
   """Platform we are compiling for.
 
   An abstract mesh (set by `jax.sharding.use_abstract_mesh` or `jax.set_mesh`)
-  wins over the local backend, so cross-lowering for CUDA on a CPU host picks the
-  real Triton kernel instead of the CPU interpreter.
+  wins over the local backend, so cross-lowering for CUDA on a CPU host picks
+  the real Triton kernel instead of the CPU interpreter.
   """
   mesh = jax.sharding.get_abstract_mesh()
   device = None if mesh.empty else getattr(mesh, "abstract_device", None)
   if device is not None and device.platform:
-    return "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
+    platform = device.platform
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
   return jax.default_backend()
 
 
@@ -36,15 +37,27 @@ def resolve_impl(impl: str, kernel: str) -> tuple[bool, bool]:
   return True, not on_gpu
 
 
+def segment_ids(seq_idx):
+  """[b, l] ids -> int32 ids that start at 0 and grow at every change.
+
+  "Same segment" then means "no change in between", even if an id repeats
+  later (e.g. [7, 7, 3, 7] is three segments).
+  """
+  change = (seq_idx[:, 1:] != seq_idx[:, :-1]).astype(jnp.int32)
+  return jnp.concatenate(
+      [jnp.zeros_like(change[:, :1]), jnp.cumsum(change, axis=1)], axis=1)
+
+
 def triton_params(num_warps: int, num_stages: int):
-  # Explicit Triton params: without them jax 0.10 lowers pallas_call to Mosaic GPU.
+  # Explicit Triton params: without them jax 0.10 lowers to Mosaic GPU.
   return pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def check_block(kernel: str, name: str, value: int) -> int:
+def check_block(kernel: str, name: str, value: int, minimum: int = 1) -> int:
+  """Validates a Triton tile size: a power of 2, >= minimum (16 for dots)."""
   value = int(value)
-  if value < 1 or value & (value - 1):
-    raise ValueError(f"{kernel}: {name} must be a positive power of 2 "
+  if value < minimum or value & (value - 1):
+    raise ValueError(f"{kernel}: {name} must be a power of 2 >= {minimum} "
                      f"(Triton tiles), got {value}")
   return value
 
@@ -67,7 +80,7 @@ def dot_precision(dtype):
 
 
 def _outer_mask(row_mask, col_mask, shape):
-  """AND of optional 1-D row/col masks broadcast to `shape` (None = all true)."""
+  """AND of optional 1-D row/col masks, broadcast to `shape` (None: all)."""
   if row_mask is None and col_mask is None:
     return None
   if row_mask is None:

@@ -1,15 +1,18 @@
 """Grouped (ragged) matmul with the semantics of `jax.lax.ragged_dot`.
 
-Rows of `lhs[m, k]` belong to groups in order: the first `group_sizes[0]` rows use
-`rhs[0]`, the next `group_sizes[1]` use `rhs[1]`, ...; rows past
+Rows of `lhs[m, k]` belong to groups in order: the first `group_sizes[0]` rows
+use `rhs[0]`, the next `group_sizes[1]` use `rhs[1]`, ...; rows past
 `sum(group_sizes)` produce zeros.
 
-Pallas/Triton design: a *tile schedule* computed in XLA from `group_sizes` lists
-work items (group, m-tile, row range). An m-tile that straddles a group boundary
-appears once per group, each pass storing only its own rows (masked store), so
-no tile mixes groups. Empty groups get no work item; the rows past the last
-group form a pseudo-group that just stores zeros. Backward: dlhs is the same
-kernel reading rhs transposed; drhs is a second kernel (per group lhs_gᵀ·dout_g).
+Pallas/Triton design: a *tile schedule* computed in XLA from `group_sizes`
+lists work items (group, m-tile, row range). An m-tile that straddles a group
+boundary appears once per group, each pass storing only its own rows (masked
+store), so no tile mixes groups. Empty groups get no work item; the rows past
+the last group form a pseudo-group that just stores zeros. Straddling tiles
+cost at most one extra tile per group (none when sizes are multiples of
+block_m). Backward: dlhs is the same
+kernel reading rhs transposed; drhs is a second kernel (per group
+lhs_gᵀ·dout_g, its row loop as long as the group).
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pl_triton
 
 from pallas_kernels import _common
 from pallas_kernels._common import masked_load as load
@@ -146,7 +148,7 @@ def _gmm_pallas(lhs, rhs, group_sizes, cfg: GmmConfig, transpose_rhs=False):
   return pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
-      # n fastest: consecutive programs reuse one lhs tile while rhs[g] stays in L2.
+      # n fastest: consecutive programs share an lhs tile; rhs[g] stays in L2.
       grid=(pl.cdiv(n, cfg.block_n), num_items),
       compiler_params=_common.triton_params(cfg.num_warps, cfg.num_stages),
       interpret=cfg.interpret,
@@ -156,7 +158,7 @@ def _gmm_pallas(lhs, rhs, group_sizes, cfg: GmmConfig, transpose_rhs=False):
 
 def _tgmm_kernel(start_ref, end_ref, lhs_ref, dout_ref, out_ref,
                  *, k, n, tile_k, tile_n, step_m, precision):
-  """out[g, k-tile, n-tile] = sum over rows r of group g of lhs[r]ᵀ dout[r]."""
+  """out[g, k-tile, n-tile] = sum over rows r of group g: lhs[r]ᵀ dout[r]."""
   pid_n, pid_k, group = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   start = start_ref[group]
   end = end_ref[group]
@@ -188,7 +190,8 @@ def _tgmm_pallas(lhs, dout, group_sizes, num_groups, cfg: GmmConfig, dtype):
   """[g, k, n] with out[i] = lhs[rows of i]ᵀ @ dout[rows of i]."""
   m, k = lhs.shape
   n = dout.shape[1]
-  # Output tile (block_m x block_n) over [k, n]; the reduction walks rows by block_k.
+  # Output tile block_m x block_n over [k, n]; rows are walked block_k at a
+  # time.
   tile_k = _common.fit_block(k, cfg.block_m)
   tile_n = _common.fit_block(n, cfg.block_n)
   step_m = _common.fit_block(m, cfg.block_k)
@@ -248,7 +251,8 @@ def grouped_matmul(lhs, rhs, group_sizes, *, impl: str = "auto",
     group_sizes: [g] integer row counts (cast to int32).
     impl: "auto" (Pallas on GPU, XLA elsewhere), "pallas" (interpreted off
       GPU) or "xla".
-    block_m/block_n/block_k: power-of-2 tile sizes (shrunk for small dims);
+    block_m/block_n/block_k: power-of-2 tile sizes >= 16 (shrunk for small
+      dims);
       num_warps/num_stages: Triton launch params.
   """
   use_pallas, interpret = _common.resolve_impl(impl, _NAME)
@@ -271,9 +275,13 @@ def grouped_matmul(lhs, rhs, group_sizes, *, impl: str = "auto",
     return grouped_matmul_reference(lhs, rhs, group_sizes)
   base = GmmConfig()
   cfg = GmmConfig(
-      block_m=_common.check_block(_NAME, "block_m", block_m or base.block_m),
-      block_n=_common.check_block(_NAME, "block_n", block_n or base.block_n),
-      block_k=_common.check_block(_NAME, "block_k", block_k or base.block_k),
+      # >= 16: smallest tile Triton's tensor-core dot accepts.
+      block_m=_common.check_block(_NAME, "block_m", block_m or base.block_m,
+                                  16),
+      block_n=_common.check_block(_NAME, "block_n", block_n or base.block_n,
+                                  16),
+      block_k=_common.check_block(_NAME, "block_k", block_k or base.block_k,
+                                  16),
       num_warps=num_warps or base.num_warps,
       num_stages=num_stages or base.num_stages,
       interpret=interpret)

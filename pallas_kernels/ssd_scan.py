@@ -54,13 +54,11 @@ class SsdConfig:
 
 
 def _segment_ids(seq_idx, length):
-  """[b, l] -> [b, length] int32 ids that start at 0 and grow at each change.
+  """Change-counting ids (see _common.segment_ids), edge-padded to `length`.
 
   Padding repeats the last id, so padded tokens never look like a restart.
   """
-  change = (seq_idx[:, 1:] != seq_idx[:, :-1]).astype(jnp.int32)
-  seg = jnp.concatenate(
-      [jnp.zeros_like(change[:, :1]), jnp.cumsum(change, axis=1)], axis=1)
+  seg = _common.segment_ids(seq_idx)
   return jnp.pad(seg, ((0, 0), (0, length - seg.shape[1])), mode="edge")
 
 
@@ -221,7 +219,8 @@ def _token_view(ref, bi, c, head_or_group, dims, width2):
 
 
 def _seg_masks(seg_ref, seg_in_ref, bi, c, dims):
-  """(same-segment [Lc, Lc], token sees carried-in state, token feeds chunk state)."""
+  """Masks: (causal same-segment [Lc, Lc], sees carried-in state [Lc],
+  feeds the chunk's end state [Lc]); the last two are None without seq_idx."""
   lc = dims.lc
   causal = (jnp.arange(lc)[:, None] >= jnp.arange(lc)[None, :])
   if not dims.has_seg:
@@ -343,58 +342,59 @@ def _chunk_bwd_kernel(x_ref, dy_ref, dt_ref, acum_ref, b_ref, c_ref, d_ref,
   is_last = jnp.arange(lc, dtype=jnp.int32) == lc - 1
   a_last = _last(acum)
 
-  # Intra-chunk term y_i = sum_j cb_ij decay_ij dt_j x_j.
-  cb = _dot(cm, bm, ((1,), (1,)), prec)
+  # Phases each finish (store) one output, so few [Lc, Lc] / [Lc, n] f32
+  # tiles are live at once on the GPU.
   decay = jnp.exp(jnp.where(same, acum[:, None] - acum[None, :], -jnp.inf))
   dyx = _dot(dy, x, ((1,), (1,)), prec)  # dy_i . x_j
-  cb_decay = cb * decay
-  r = cb_decay * dyx  # d y-term / d dt_j, per (i, j)
-  ddt = jnp.sum(r, axis=0)
-  q = r * dt[None, :]  # d / d(acum_i - acum_j)
-  dacum = jnp.sum(q, axis=1) - jnp.sum(q, axis=0)
-  mix = (cb_decay * dt[None, :]).astype(dtype)
-  dx = _dot(mix, dy, ((0,), (0,)), prec)  # mixᵀ dy
   pm = (dyx * decay * dt[None, :]).astype(dtype)
-  dc = _dot(pm, bm, ((1,), (0,)), prec)
-  db = _dot(pm, cm, ((0,), (0,)), prec)
-
-  # Carried-in state: y_i += exp(acum_i) S_in C_i.
-  from_prev = jnp.exp(acum)
+  from_prev = jnp.exp(acum)  # carried-in state: y_i += exp(acum_i) S_in C_i
   if sees_prev is not None:
     from_prev = jnp.where(sees_prev, from_prev, 0.0)
-  cs = _dot(cm, s_in.astype(dtype), ((1,), (1,)), prec)  # [Lc, p]
-  dacum += from_prev * jnp.sum(dy.astype(_F32) * cs, axis=1)
-  dys = _dot(dy, s_in.astype(dtype), ((1,), (0,)), prec)  # [Lc, n]
-  dc += from_prev[:, None] * dys
-
-  # Chunk state: S_out += sum_j exp(a_last - acum_j) dt_j x_j ⊗ B_j.
-  to_end = jnp.exp(a_last - acum)
+  to_end = jnp.exp(a_last - acum)  # chunk state: S_out += to_end dt x ⊗ B
   if feeds_state is not None:
     to_end = jnp.where(feeds_state, to_end, 0.0)
   w = to_end * dt
-  bg = _dot(bm, g.astype(dtype), ((1,), (1,)), prec)  # [Lc, p]
-  xg = _dot(x, g.astype(dtype), ((1,), (0,)), prec)   # [Lc, n]
-  dx += w[:, None] * bg
-  db += w[:, None] * xg
+  # dB/dC live in [b, lp, g, n2] f32 buffers: always in bounds, and padded
+  # rows/cols only add zeros.
+  bc_index = (bi, toks, grp, pl.ds(0, dims.n2))
+
+  # 1. dB = pmᵀ C + w x G.
+  db = _dot(pm, cm, ((0,), (0,)), prec)
+  db += w[:, None] * _dot(x, g.astype(dtype), ((1,), (0,)), prec)
+  pl_triton.atomic_add(db_ref, bc_index, db)
+
+  # 2. dC = pm B + from_prev dy S_in.
+  dc = _dot(pm, bm, ((1,), (0,)), prec)
+  dc += from_prev[:, None] * _dot(dy, s_in.astype(dtype), ((1,), (0,)), prec)
+  pl_triton.atomic_add(dc_ref, bc_index, dc)
+
+  # 3. Intra-chunk y_i = sum_j cb_ij decay_ij dt_j x_j: dx, ddt, dacum.
+  cb_decay = _dot(cm, bm, ((1,), (1,)), prec) * decay
+  r = cb_decay * dyx  # d y / d dt_j, per (i, j)
+  ddt = jnp.sum(r, axis=0)
+  q = r * dt[None, :]  # d y / d(acum_i - acum_j)
+  dacum = jnp.sum(q, axis=1) - jnp.sum(q, axis=0)
+  mix = (cb_decay * dt[None, :]).astype(dtype)
+  dx = _dot(mix, dy, ((0,), (0,)), prec)  # mixᵀ dy
+  bg = _dot(bm, g.astype(dtype), ((1,), (1,)), prec)  # B Gᵀ: [Lc, p]
+  dx += w[:, None] * bg + d_ref[h] * dy.astype(_F32)
+  store(_token_view(dx_ref, bi, c, h, dims, dims.p2), dx, rows, pmask)
+
+  # 4. Per-token scalars: the state terms of ddt / dacum, and dD.
+  cs = _dot(cm, s_in.astype(dtype), ((1,), (1,)), prec)  # C S_inᵀ: [Lc, p]
+  dacum += from_prev * jnp.sum(dy.astype(_F32) * cs, axis=1)
   v = to_end * jnp.sum(x.astype(_F32) * bg, axis=1)
   ddt += v
-  rr = v * dt
-  dacum -= rr
-  # S_out also holds decay_c * S_in, decay_c = exp(a_last) * carry_c.
+  dacum -= v * dt
+  # acum_last also scales every chunk-state term and decay_c * S_in, with
+  # decay_c = exp(a_last) * carry_c.
   chunk_decay = jnp.exp(a_last) * carry_ref[bi, c]
-  dacum += jnp.where(is_last, jnp.sum(rr) + chunk_decay * jnp.sum(s_in * g),
-                     0.0)
-
-  d_h = d_ref[h]
-  dx += d_h * dy.astype(_F32)
-  store(_token_view(dx_ref, bi, c, h, dims, dims.p2), dx, rows, pmask)
+  dacum += jnp.where(is_last,
+                     jnp.sum(v * dt) + chunk_decay * jnp.sum(s_in * g), 0.0)
   ddt_ref.at[bi, h, toks][...] = ddt
   dacum_ref.at[bi, h, toks][...] = dacum
   dd_ref.at[bi, h, toks][...] = jnp.sum(dy.astype(_F32) * x.astype(_F32),
                                         axis=1)
-  # Buffers are [b, lp, g, n2]: in bounds, and padded rows/cols add zeros.
-  for ref, val in ((db_ref, db), (dc_ref, dc)):
-    pl_triton.atomic_add(ref, (bi, toks, grp, pl.ds(0, dims.n2)), val)
 
 
 # ----------------------------------------------------------------------------
@@ -503,8 +503,10 @@ def _ssd_pallas(x, dt, A, B, C, D, initial_states, seq_idx, chunk_size, cfg):
   lc = chunk_size
   nc = pl.cdiv(l, lc)
   lp = nc * lc
+  # p, n tiles: powers of 2 and >= 16 (Triton tensor-core dot minimum).
   dims = _Dims(l=l, lc=lc, nc=nc, hpg=h // g, p=p, n=n,
-               p2=_common.pl_next_pow2(p), n2=_common.pl_next_pow2(n),
+               p2=max(16, _common.pl_next_pow2(p)),
+               n2=max(16, _common.pl_next_pow2(n)),
                has_seg=seq_idx is not None,
                precision=_common.dot_precision(x.dtype))
   # Small per-token XLA prep (differentiable): [b, h, lp] f32, zero-padded dt.
@@ -567,7 +569,7 @@ def ssd_scan(x, dt, A, B, C, *, chunk_size: int, D=None, initial_states=None,
   Args:
     x: [b, l, h, p]; dt: [b, l, h] positive step sizes; A: [h] negative.
     B, C: [b, l, g, n]; head h uses group h // (h_total / g).
-    chunk_size: chunk length (a power of 2 for the Pallas path).
+    chunk_size: chunk length (a power of 2 >= 16 for the Pallas path).
     D: optional [h] skip. initial_states: optional [b, h, p, n] (first
       segment only). seq_idx: optional [b, l] int; the state restarts where it
       changes.
@@ -583,7 +585,7 @@ def ssd_scan(x, dt, A, B, C, *, chunk_size: int, D=None, initial_states=None,
   if not use_pallas:
     return ssd_scan_reference(x, dt, A, B, C, chunk_size=chunk_size, D=D,
                               initial_states=initial_states, seq_idx=seq_idx)
-  _common.check_block(_NAME, "chunk_size", chunk_size)
+  _common.check_block(_NAME, "chunk_size", chunk_size, 16)  # dot tile >= 16
   base = SsdConfig()
   cfg = dataclasses.replace(base, interpret=interpret,
                             num_warps=num_warps or base.num_warps,

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from pallas_kernels import gpu_lowering
-from pallas_kernels.ssd_scan import ssd_scan, ssd_scan_naive, ssd_scan_reference
+from pallas_kernels.ssd_scan import ssd_scan, ssd_scan_naive
 
 # (b, l, h, p, g, n, chunk): l not a multiple of the chunk, groups 1 and > 1,
 # p/n not powers of 2 (masked Triton tiles).
 SHAPES = {
     "grouped_ragged_len": (2, 37, 4, 8, 2, 16, 16),
-    "one_group_odd_dims": (1, 32, 2, 6, 1, 12, 8),
+    "one_group_odd_dims": (1, 32, 2, 6, 1, 12, 16),
 }
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
 
@@ -49,11 +49,14 @@ def make_inputs(shape_name, seed, dtype=jnp.float32):
   d = jnp.asarray(rng.standard_normal(h), jnp.float32)
   init = jnp.asarray(rng.standard_normal((b, h, p, n)), jnp.float32)
   # Segments: a restart inside a chunk, one exactly at a chunk boundary, a
-  # one-token segment; the second sequence keeps a single segment.
+  # one-token segment; the second sequence reuses an id after another segment
+  # (still a restart).
   starts = np.zeros(l, np.int32)
   for t in (5, chunk, chunk + 1, l - 3):
     starts[t] = 1
-  seq = np.stack([np.cumsum(starts)] + [np.zeros(l, np.int32)] * (b - 1))
+  reuse = np.zeros(l, np.int32)
+  reuse[3:9] = 1
+  seq = np.stack([np.cumsum(starts), reuse][:b])
   return (x, dt, a, bm, cm), dict(D=d, initial_states=init,
                                   seq_idx=jnp.asarray(seq + 3)), chunk
 
@@ -158,13 +161,13 @@ def test_gradients_match_reference(shape, options):
 def test_bad_arguments_raise_clear_errors():
   (x, dt, a, bm, cm), opts, _ = make_inputs("one_group_odd_dims", 0)
   with pytest.raises(ValueError, match="impl"):
-    ssd_scan(x, dt, a, bm, cm, chunk_size=8, impl="triton")
+    ssd_scan(x, dt, a, bm, cm, chunk_size=16, impl="triton")
   with pytest.raises(ValueError, match="dt"):
-    ssd_scan(x, dt[:, 1:], a, bm, cm, chunk_size=8)
+    ssd_scan(x, dt[:, 1:], a, bm, cm, chunk_size=16)
   with pytest.raises(ValueError, match="C must"):
-    ssd_scan(x, dt, a, bm, cm[..., 1:], chunk_size=8)
+    ssd_scan(x, dt, a, bm, cm[..., 1:], chunk_size=16)
   with pytest.raises(ValueError, match="seq_idx"):
-    ssd_scan(x, dt, a, bm, cm, chunk_size=8, seq_idx=jnp.zeros((1, 3)))
+    ssd_scan(x, dt, a, bm, cm, chunk_size=16, seq_idx=jnp.zeros((1, 3)))
   with pytest.raises(ValueError, match="chunk_size"):
     ssd_scan(x, dt, a, bm, cm, chunk_size=12, impl="pallas")
 

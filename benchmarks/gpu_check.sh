@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# GPU check for pallas_kernels: the kernel tests natively on the GPU, then the
+# kernel benchmark table (Pallas vs XLA vs roofline). Needs one NVIDIA GPU, no
+# network; about 6 minutes on an H200. Each step is time-boxed and a failing
+# step does not stop the next one; the exit code is non-zero if any failed.
+#
+#   bash benchmarks/gpu_check.sh [--quick]     # extra args go to kernel_bench.py
+set -u
+cd "$(dirname "$0")/.."
+
+if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON"
+elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python
+else PY=python3; fi
+
+# tests/conftest.py defaults JAX_PLATFORMS to cpu; the point here is the GPU.
+export JAX_PLATFORMS="${GPU_JAX_PLATFORMS:-cuda}"
+
+status=0
+echo "== environment"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
+  || echo "nvidia-smi unavailable"
+"$PY" -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', \
+jaxlib.__version__, jax.devices())" || status=1
+
+echo "== kernel tests (native GPU: Pallas runs as compiled Triton)"
+timeout -k 10 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_*.py \
+  2>&1 | tail -n 40
+rc=${PIPESTATUS[0]}
+[[ $rc -eq 0 ]] || { echo "kernel tests: exit $rc"; status=1; }
+
+echo "== kernel benchmarks"
+timeout -k 10 210 "$PY" benchmarks/kernel_bench.py --budget_s 150 "$@"
+rc=$?
+[[ $rc -eq 0 ]] || { echo "kernel_bench: exit $rc"; status=1; }
+
+exit $status
