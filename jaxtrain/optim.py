@@ -6,7 +6,8 @@ import dataclasses
 import jax
 import optax
 
-NO_DECAY_LEAVES = ("scale", "bias")  # norm scales and biases are not weight-decayed
+NO_DECAY_LEAVES = ("scale", "bias", "correction_bias")  # norm scales and biases: no weight decay
+FROZEN_LEAVES = ("correction_bias",)  # state the train step updates by its own rule, not by gradients
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,15 +40,19 @@ def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
     return optax.join_schedules([ramp, decays[cfg.decay]()], [warmup]) if warmup else decays[cfg.decay]()
 
 
+def _leaf_mask(names):
+    return lambda params: jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[-1], "key", None) in names, params)
+
+
 def _decay_mask(params):
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: getattr(path[-1], "key", None) not in NO_DECAY_LEAVES, params)
+    return jax.tree.map(lambda excluded: not excluded, _leaf_mask(NO_DECAY_LEAVES)(params))
 
 
 def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     schedule = make_schedule(cfg, total_steps)
     adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                         weight_decay=cfg.weight_decay, mask=_decay_mask)
-    if cfg.clip_norm:
-        return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw), schedule
-    return adamw, schedule
+    frozen = optax.masked(optax.set_to_zero(), _leaf_mask(FROZEN_LEAVES))
+    clip = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm else []
+    return optax.chain(*clip, adamw, frozen), schedule

@@ -25,11 +25,54 @@ def batch_shardings(mesh, rules: RuleSet, global_batch: int, seq_len: int) -> di
 
 
 def _forward_sums(graphdef, params, batch, *, loss_chunk, z_loss):
+    """Token sums (nll, z-loss, correct) and the model's auxiliary outputs (MoE statistics)."""
     model = nnx.merge(graphdef, params)
     hidden, aux = model.hidden(batch["inputs"], batch["positions"], batch["segment_ids"])
     nll, z, correct = chunked_cross_entropy(model.logits, hidden, batch["targets"], batch["loss_mask"],
                                             chunk=loss_chunk, z_loss=z_loss)
-    return nll, z, correct
+    return (nll, z, correct), aux
+
+
+def _aux_loss(aux):
+    """Sum of every `aux_loss` leaf (one per MoE layer)."""
+    total = jnp.zeros((), jnp.float32)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
+        if getattr(path[-1], "key", None) == "aux_loss":
+            total = total + leaf.sum()
+    return total
+
+
+def moe_metrics(aux, microbatches: int = 1) -> dict:
+    """Per MoE layer: max/mean expert load, router entropy; overall dropped-slot fraction."""
+    out, dropped, slots = {}, 0.0, 0.0
+    for stack, tree in aux.items():
+        stats = _find_stats(tree)
+        if stats is None:
+            continue
+        load = stats["expert_load"]  # [layers, experts]
+        tokens = jnp.maximum(stats["tokens"], 1.0)
+        imbalance = load.max(-1) / jnp.maximum(load.mean(-1), 1e-9)
+        entropy = stats["entropy_sum"] / tokens
+        for i in range(load.shape[0]):
+            out[f"moe/{stack}{i}/load_max_over_mean"] = imbalance[i]
+            out[f"moe/{stack}{i}/router_entropy"] = entropy[i]
+        out[f"moe/{stack}/aux_loss"] = stats["aux_loss"].sum() / microbatches
+        dropped = dropped + stats["dropped"].sum()
+        slots = slots + load.sum()
+    if out:
+        out["moe/dropped_fraction"] = dropped / jnp.maximum(slots, 1.0)
+    return out
+
+
+def _find_stats(tree):
+    if isinstance(tree, dict):
+        if "expert_load" in tree:
+            return tree
+        for sub in tree.values():
+            found = _find_stats(sub)
+            if found is not None:
+                return found
+    return None
 
 
 def _split_microbatches(batch, microbatches: int):
@@ -45,8 +88,9 @@ def _split_microbatches(batch, microbatches: int):
 def make_train_step(graphdef, tx, schedule, *, mesh, rules: RuleSet, state_shardings, batch_sharding,
                     microbatches: int, loss_chunk: int, z_loss: float):
     def loss_fn(params, mb, total_tokens):
-        nll, z, correct = _forward_sums(graphdef, params, mb, loss_chunk=loss_chunk, z_loss=z_loss)
-        return (nll + z) / total_tokens, (nll, z, correct)
+        (nll, z, correct), aux = _forward_sums(graphdef, params, mb, loss_chunk=loss_chunk, z_loss=z_loss)
+        # MoE aux losses are means over each microbatch's tokens: average them over microbatches.
+        return (nll + z) / total_tokens + _aux_loss(aux) / microbatches, ((nll, z, correct), aux)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -55,17 +99,24 @@ def make_train_step(graphdef, tx, schedule, *, mesh, rules: RuleSet, state_shard
             params = state["params"]
             total_tokens = jnp.maximum(batch["loss_mask"].sum(), 1.0)
             if microbatches == 1:
-                (_, sums), grads = grad_fn(params, batch, total_tokens)
+                (_, (sums, aux)), grads = grad_fn(params, batch, total_tokens)
             else:
+                # Every statistic is a sum over tokens (or a per-microbatch loss), so they add up.
                 def accumulate(carry, mb):
-                    grads_acc, sums_acc = carry
-                    (_, sums), grads = grad_fn(params, mb, total_tokens)
-                    return (jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, sums_acc, sums)), None
+                    (_, out), grads = grad_fn(params, mb, total_tokens)
+                    return jax.tree.map(jnp.add, carry, (grads, out)), None
 
-                zeros = (jax.tree.map(jnp.zeros_like, params), (jnp.zeros(()),) * 3)
-                (grads, sums), _ = jax.lax.scan(accumulate, zeros, _split_microbatches(batch, microbatches))
+                microbatched = _split_microbatches(batch, microbatches)
+                (_, out_shape), grads_shape = jax.eval_shape(
+                    grad_fn, params, jax.tree.map(lambda x: x[0], microbatched), total_tokens)
+                zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grads_shape, out_shape))
+                (grads, (sums, aux)), _ = jax.lax.scan(accumulate, zeros, microbatched)
             updates, opt_state = tx.update(grads, state["opt_state"], params)
             new_params = optax.apply_updates(params, updates)
+            if _find_stats(aux) is not None:  # MoE: post-step correction-bias updates
+                model = nnx.merge(graphdef, new_params)
+                model.update_router_biases(aux)
+                new_params = nnx.state(model).to_pure_dict()
         nll, z, correct = sums
         metrics = {
             "loss": nll / total_tokens,
@@ -75,6 +126,7 @@ def make_train_step(graphdef, tx, schedule, *, mesh, rules: RuleSet, state_shard
             "param_norm": optax.global_norm(new_params),
             "learning_rate": schedule(state["step"]),
             "loss_tokens": total_tokens,
+            **moe_metrics(aux, microbatches),
         }
         return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
 
@@ -87,7 +139,7 @@ def make_eval_step(graphdef, *, mesh, rules: RuleSet, params_shardings, batch_sh
     """Sums (nll, tokens, correct) over a batch; callers divide after summing batches."""
     def step(params, batch):
         with use_rules(mesh, rules):
-            nll, _, correct = _forward_sums(graphdef, params, batch, loss_chunk=loss_chunk, z_loss=0.0)
+            (nll, _, correct), _ = _forward_sums(graphdef, params, batch, loss_chunk=loss_chunk, z_loss=0.0)
         return {"nll": nll, "tokens": batch["loss_mask"].sum(), "correct": correct}
 
     return jax.jit(step, in_shardings=(params_shardings, batch_sharding),

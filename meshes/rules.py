@@ -68,6 +68,7 @@ _TENSOR_PARALLEL_PARAMS: Table = {
     "kv_heads": ("tensor",),
     "mlp": ("tensor",),
     "vocab": ("tensor",),
+    "experts": ("expert",),  # expert parallel over the expert axis
 }
 # FSDP / ZeRO-3: the embed dimension of every weight is also split over the data-parallel axes.
 _FSDP_PARAMS: Table = {**_TENSOR_PARALLEL_PARAMS, "embed": DATA_PARALLEL_AXES + ("context",)}
@@ -86,10 +87,29 @@ RULE_SETS: dict[str, RuleSet] = {
 }
 
 
+# Overlays change one component's layout on top of a base table: `"fsdp+experts_folded"`.
+OVERLAYS: dict[str, dict[str, Table]] = {
+    # Experts folded over every axis the tokens are split over (e.g. EP 4 = data x context while
+    # attention runs tensor x context x data); the remaining axes act as expert data parallel.
+    "experts_folded": {"params": {"experts": ("data", "context", "expert")}},
+    # Expert tensor parallel: each expert's hidden dimension split over tensor.
+    "expert_tp": {"params": {"expert_mlp": ("tensor",)}},
+}
+
+
 def get_rule_set(name: str) -> RuleSet:
-    if name not in RULE_SETS:
-        raise ValueError(f"unknown rule table {name!r}; choose one of {sorted(RULE_SETS)}")
-    return RULE_SETS[name]
+    base, *overlays = name.split("+")
+    if base not in RULE_SETS:
+        raise ValueError(f"unknown rule table {base!r}; choose one of {sorted(RULE_SETS)}")
+    rules = RULE_SETS[base]
+    for overlay in overlays:
+        if overlay not in OVERLAYS:
+            raise ValueError(f"unknown rule overlay {overlay!r} in {name!r}; choose from {sorted(OVERLAYS)}")
+        change = OVERLAYS[overlay]
+        optimizer = None if rules.optimizer is None else {**rules.optimizer, **change.get("params", {})}
+        rules = RuleSet(name, {**rules.params, **change.get("params", {})},
+                        {**rules.activations, **change.get("activations", {})}, optimizer)
+    return rules
 
 
 # ---- the active (mesh, rules) while a model is traced -------------------------------------
@@ -113,6 +133,11 @@ def use_rules(mesh, rules: RuleSet):
 def active_mesh():
     active = _ACTIVE.get()
     return active[0] if active else None
+
+
+def active_rules() -> RuleSet | None:
+    active = _ACTIVE.get()
+    return active[1] if active else None
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

@@ -1,0 +1,188 @@
+"""Expert parallelism: route, exchange tokens between expert shards, compute, return.
+
+Runs inside `shard_map` over the whole mesh. Each device routes its own tokens, sends every
+token-slot to the device that holds its expert (an all-to-all over the expert-parallel
+axes), runs its local experts as one grouped matmul over expert-sorted rows, and sends the
+results back. Which mesh axes the experts are split over comes from the rule table's
+`experts` entry, so expert parallelism over `expert`, or experts folded over `data x context`
+while attention uses `tensor x context x data`, is a table choice, not a code path:
+
+  token axes  the axes the tokens are split over (the activation rules for batch, length);
+              the expert-parallel (EP) axes must be among them
+  EP axes     experts split over them (the `experts` parameter rule)
+  ETP axis    each expert's hidden dimension split over it (`expert_mlp` rule): partial
+              outputs are summed over it
+  EDP axes    every other mesh axis: expert weights are replicated there, so each device takes
+              its own slice of the (replicated) tokens and the outputs are gathered back
+
+The exchange is a padded `all_to_all` whose buffers hold, for each destination, room for
+all of this device's slots: no token is ever dropped by the exchange and the result does not
+depend on the layout. XLA:CPU has no `ragged_all_to_all`, which would send only the filled
+rows; the padded form computes the same thing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshes.rules import RuleSet, spec_for
+
+TOKEN_NAMES = ("batch", "length", None)
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+    token_spec: PartitionSpec
+    token_axes: tuple[str, ...]
+    ep_axes: tuple[str, ...]
+    etp_axes: tuple[str, ...]
+    edp_axes: tuple[str, ...]
+    ep_size: int
+    edp_size: int
+
+    def weight_spec(self, logical: tuple[str, ...]) -> PartitionSpec:
+        place = {"experts": self.ep_axes, "expert_mlp": self.etp_axes}
+        return PartitionSpec(*[(place.get(n) or None) if len(place.get(n) or ()) != 1 else place[n][0]
+                               for n in logical])
+
+
+def resolve_layout(mesh, rules: RuleSet, x_shape, num_experts: int, hidden: int) -> ExpertLayout:
+    token_spec = spec_for(TOKEN_NAMES, x_shape, rules.activations, mesh)
+    token_axes = _axes(token_spec[0]) + _axes(token_spec[1])
+    ep_axes = _axes(spec_for(("experts",), (num_experts,), rules.params, mesh)[0])
+    etp_axes = _axes(spec_for(("expert_mlp",), (hidden,), rules.params, mesh)[0])
+    stray = [a for a in ep_axes if a not in token_axes]
+    if stray:
+        raise ValueError(f"experts are split over {ep_axes} but tokens only over {token_axes}: expert-parallel "
+                         f"axes must be axes the tokens are split over (offending: {stray})")
+    if set(etp_axes) & set(token_axes):
+        raise ValueError(f"expert hidden dims are split over {etp_axes}, which also split the tokens {token_axes}")
+    edp_axes = tuple(a for a in mesh.axis_names
+                     if mesh.shape[a] > 1 and a not in token_axes + ep_axes + etp_axes)
+    return ExpertLayout(token_spec, token_axes, ep_axes, etp_axes, edp_axes,
+                        ep_size=math.prod(mesh.shape[a] for a in ep_axes),
+                        edp_size=math.prod(mesh.shape[a] for a in edp_axes))
+
+
+# ---- one device's work --------------------------------------------------------------------
+
+def apply_capacity(expert_ids, num_experts: int, capacity_factor: float):
+    """Drops slots beyond ceil(cf * slots / experts) per expert (first choices before second
+    ones, earlier tokens first). Dropped slots get the id `num_experts`. Returns (ids, dropped)."""
+    t, k = expert_ids.shape
+    capacity = math.ceil(capacity_factor * t * k / num_experts)
+    priority = expert_ids.T.reshape(-1)  # all first choices, then all second choices, ...
+    onehot = jax.nn.one_hot(priority, num_experts, dtype=jnp.int32)
+    position = (jnp.cumsum(onehot, axis=0) * onehot).sum(-1) - 1
+    keep = (position < capacity).reshape(k, t).T
+    return jnp.where(keep, expert_ids, num_experts), (~keep).sum()
+
+
+def _count(ids, n: int):
+    """Occurrences of 0..n-1 in ids (other values ignored)."""
+    return jax.ops.segment_sum(jnp.ones(ids.shape, jnp.int32), ids, num_segments=n + 1)[:n]
+
+
+def _exchange_compute_combine(x, expert_ids, weights, expert_weights, ffn, layout: ExpertLayout | None,
+                              num_experts: int):
+    """x [t, d]; expert_ids [t, k] (num_experts = dropped); weights [t, k] -> [t, d]."""
+    t, k = expert_ids.shape
+    slots = t * k
+    flat_ids = expert_ids.reshape(slots)
+    order = jnp.argsort(flat_ids, stable=True)
+    sorted_ids = flat_ids[order]
+    tokens = x[order // k]
+    ep = layout.ep_size if layout else 1
+    if ep == 1:
+        out = ffn(tokens, _count(sorted_ids, num_experts), expert_weights)
+    else:
+        local = num_experts // ep
+        dest = jnp.where(sorted_ids < num_experts, sorted_ids // local, ep)  # ep = nowhere (dropped)
+        counts = _count(dest, ep)
+        pos = jnp.arange(slots) - (jnp.cumsum(counts) - counts)[jnp.minimum(dest, ep - 1)]
+        send = jnp.zeros((ep, slots) + x.shape[1:], x.dtype).at[dest, pos].set(tokens, mode="drop")
+        send_ids = jnp.full((ep, slots), local, jnp.int32).at[dest, pos].set(sorted_ids - dest * local, mode="drop")
+        a2a = lambda v: jax.lax.all_to_all(v, layout.ep_axes, 0, 0, tiled=True)
+        recv, recv_ids = a2a(send).reshape((ep * slots,) + x.shape[1:]), a2a(send_ids).reshape(ep * slots)
+        order2 = jnp.argsort(recv_ids, stable=True)
+        computed = ffn(recv[order2], _count(recv_ids, local), expert_weights)
+        back = a2a(jnp.zeros_like(computed).at[order2].set(computed).reshape((ep, slots) + x.shape[1:]))
+        out = back.at[dest, pos].get(mode="fill", fill_value=0)
+    per_slot = jnp.zeros((slots,) + out.shape[1:], out.dtype).at[order].set(out).reshape((t, k) + out.shape[1:])
+    return jnp.einsum("tkd,tk->td", per_slot, weights.astype(per_slot.dtype)).astype(x.dtype)
+
+
+def _device_moe(x, logits, bias, expert_weights, *, route: Callable, ffn: Callable, layout: ExpertLayout | None,
+                num_experts: int, capacity_factor: float | None):
+    lead = x.shape[:-1]
+    x2, lg = x.reshape(-1, x.shape[-1]), logits.reshape(-1, logits.shape[-1])
+    t = x2.shape[0]
+    edp = layout.edp_size if layout else 1
+    split = edp > 1 and t % edp == 0  # otherwise every EDP device computes all tokens (same result)
+    if split:
+        share = t // edp
+        start = jax.lax.axis_index(layout.edp_axes) * share
+        x2, lg = jax.lax.dynamic_slice_in_dim(x2, start, share), jax.lax.dynamic_slice_in_dim(lg, start, share)
+    expert_ids, weights, scores = route(lg, bias)
+    stats = {"expert_load": _count(expert_ids.reshape(-1), num_experts).astype(jnp.float32),
+             "score_sum": scores.sum(0),
+             "z_sum": jnp.square(jax.nn.logsumexp(lg, axis=-1)).sum(),
+             "entropy_sum": _entropy(scores).sum(),
+             "tokens": jnp.asarray(lg.shape[0], jnp.float32),
+             "dropped": jnp.zeros((), jnp.float32)}
+    if capacity_factor is not None:
+        expert_ids, dropped = apply_capacity(expert_ids, num_experts, capacity_factor)
+        stats["dropped"] = dropped.astype(jnp.float32)
+    y = _exchange_compute_combine(x2, expert_ids, weights, expert_weights, ffn, layout, num_experts)
+    if layout is not None:
+        if layout.etp_axes:
+            y = jax.lax.psum(y, layout.etp_axes)
+        if split:  # gather the EDP shares back; a psum of placed shares keeps y replicated-typed
+            y = jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(jnp.zeros((t,) + y.shape[1:], y.dtype), y, start, 0), layout.edp_axes)
+        summed = layout.token_axes + (layout.edp_axes if split else ())
+        if summed:
+            stats = jax.lax.psum(stats, summed)
+    return y.reshape(lead + (y.shape[-1],)), stats
+
+
+def _entropy(scores):
+    p = scores / jnp.maximum(scores.sum(-1, keepdims=True), 1e-9)
+    return -(p * jnp.log(jnp.maximum(p, 1e-9))).sum(-1)
+
+
+def moe_forward(x, logits, bias, expert_weights: dict, weight_axes: dict, *, route: Callable, ffn: Callable,
+                num_experts: int, hidden: int, capacity_factor: float | None = None, mesh=None, rules=None):
+    """x [b, l, d], router logits [b, l, e] -> (y [b, l, d], summed routing statistics).
+
+    `route(logits [t, e], bias) -> (expert_ids [t, k], weights [t, k], scores [t, e])` and
+    `ffn(sorted_tokens [n, d], group_sizes [e_local], weights) -> [n, d]` come from the model.
+    Without a mesh (or outside `use_rules`) everything runs on one device.
+    """
+    kw = dict(route=route, ffn=ffn, num_experts=num_experts, capacity_factor=capacity_factor)
+    if mesh is None:
+        return _device_moe(x, logits, bias, expert_weights, layout=None, **kw)
+    layout = resolve_layout(mesh, rules, x.shape, num_experts, hidden)
+    if num_experts % layout.ep_size:
+        raise ValueError(f"{num_experts} experts do not split over the expert-parallel axes "
+                         f"{layout.ep_axes} of size {layout.ep_size}")
+    w_specs = {n: layout.weight_spec(weight_axes[n]) for n in expert_weights}
+    place = lambda v, spec: jax.lax.with_sharding_constraint(v, NamedSharding(mesh, spec))
+    # Bring FSDP-sharded weights to their compute layout (XLA all-gathers them here).
+    expert_weights = {n: place(w, w_specs[n]) for n, w in expert_weights.items()}
+    x, logits = place(x, layout.token_spec), place(logits, layout.token_spec)
+    bias_spec = PartitionSpec()
+    if bias is None:
+        bias = jnp.zeros((num_experts,), jnp.float32)
+    body = lambda xs, lg, b, ws: _device_moe(xs, lg, b, ws, layout=layout, **kw)
+    return jax.shard_map(body, mesh=mesh, in_specs=(layout.token_spec, layout.token_spec, bias_spec, w_specs),
+                         out_specs=(layout.token_spec, PartitionSpec()))(x, logits, place(bias, bias_spec),
+                                                                           expert_weights)

@@ -1,0 +1,75 @@
+"""Per-expert feed-forward weights and their grouped computation on expert-sorted tokens.
+
+One strategy per expert shape: gated (SwiGLU-style, DeepSeek) and plain (one up projection,
+Nemotron-H's squared ReLU). The grouped matmul is `pallas_kernels.grouped_matmul`, whose XLA
+path is `jax.lax.ragged_dot`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.layers.params import normal, param
+from pallas_kernels.grouped_matmul import grouped_matmul
+
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu": jax.nn.gelu,
+    "relu2": lambda x: jnp.square(jax.nn.relu(x)),
+}
+
+
+def _activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown expert activation {name!r}; choose one of {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+class GatedExperts(nnx.Module):
+    """down(act(x @ gate) * (x @ up)) per expert."""
+
+    def __init__(self, num_experts: int, embed: int, hidden: int, *, rngs: nnx.Rngs, activation: str = "silu",
+                 init_std: float = 0.02, dtype=jnp.float32):
+        self.activation, self.dtype = activation, dtype
+        _activation(activation)
+        up_axes = ("experts", "embed", "expert_mlp")
+        self.gate = param(rngs, normal(init_std), (num_experts, embed, hidden), up_axes)
+        self.up = param(rngs, normal(init_std), (num_experts, embed, hidden), up_axes)
+        self.down = param(rngs, normal(init_std), (num_experts, hidden, embed), ("experts", "expert_mlp", "embed"))
+
+    def weights(self) -> dict:
+        return {"gate": self.gate[...], "up": self.up[...], "down": self.down[...]}
+
+    def compute(self, tokens, group_sizes, weights, kernels: str):
+        """tokens [n, embed] sorted by expert; weights may be this device's slice of experts."""
+        x = tokens.astype(self.dtype)
+        mm = lambda a, w: grouped_matmul(a, w.astype(self.dtype), group_sizes, impl=kernels)
+        h = _activation(self.activation)(mm(x, weights["gate"])) * mm(x, weights["up"])
+        return mm(h, weights["down"])
+
+
+class PlainExperts(nnx.Module):
+    """down(act(x @ up)) per expert (no gate)."""
+
+    def __init__(self, num_experts: int, embed: int, hidden: int, *, rngs: nnx.Rngs, activation: str = "relu2",
+                 init_std: float = 0.02, dtype=jnp.float32):
+        self.activation, self.dtype = activation, dtype
+        _activation(activation)
+        self.up = param(rngs, normal(init_std), (num_experts, embed, hidden), ("experts", "embed", "expert_mlp"))
+        self.down = param(rngs, normal(init_std), (num_experts, hidden, embed), ("experts", "expert_mlp", "embed"))
+
+    def weights(self) -> dict:
+        return {"up": self.up[...], "down": self.down[...]}
+
+    def compute(self, tokens, group_sizes, weights, kernels: str):
+        x = tokens.astype(self.dtype)
+        mm = lambda a, w: grouped_matmul(a, w.astype(self.dtype), group_sizes, impl=kernels)
+        return mm(_activation(self.activation)(mm(x, weights["up"])), weights["down"])
+
+
+WEIGHT_AXES = {  # logical axes of each expert weight, for laying them out for compute
+    "gate": ("experts", "embed", "expert_mlp"),
+    "up": ("experts", "embed", "expert_mlp"),
+    "down": ("experts", "expert_mlp", "embed"),
+}

@@ -1,0 +1,77 @@
+"""Mixture-of-Experts block: router, routed experts (expert-parallel), optional shared expert
+and optional latent projection around the routed experts.
+
+Returns the output and routing statistics summed over all tokens of the batch (whatever the
+mesh), from which the block's auxiliary losses are computed, so they too are layout-free.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshes.experts import moe_forward
+from meshes.rules import active_mesh, active_rules
+from models.layers.dense import Dense
+from models.layers.expert_ffn import WEIGHT_AXES, GatedExperts, PlainExperts
+from models.layers.router import CORRECTION_BIAS, Router, RouterConfig, updated_correction_bias
+from pallas_kernels.moe_routing import route
+
+
+def make_route_fn(cfg: RouterConfig, kernels: str):
+    def route_fn(logits, bias):
+        plan = route(logits, top_k=cfg.top_k, score_fn=cfg.score_fn, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                     norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
+                     correction_bias=jax.lax.stop_gradient(bias) if cfg.correction_bias else None, impl=kernels)
+        scores = jax.nn.softmax(logits, -1) if cfg.score_fn == "softmax" else jax.nn.sigmoid(logits)
+        return plan.expert_ids, plan.weights, scores
+    return route_fn
+
+
+class MoEBlock(nnx.Module):
+    def __init__(self, embed: int, *, router: RouterConfig, expert_hidden: int, rngs: nnx.Rngs, gated: bool = True,
+                 activation: str = "silu", shared: nnx.Module | None = None, latent_dim: int | None = None,
+                 init_std: float = 0.02, dtype=jnp.float32, kernels: str = "xla"):
+        self.cfg, self.kernels, self.expert_hidden = router, kernels, expert_hidden
+        self.router = Router(embed, router, rngs=rngs, init_std=init_std)
+        inner = latent_dim or embed
+        kw = dict(rngs=rngs, init_std=init_std, dtype=dtype)
+        self.latent_down = Dense((embed,), (inner,), in_axes=("embed",), out_axes=("moe_latent",), **kw) \
+            if latent_dim else None
+        self.latent_up = Dense((inner,), (embed,), in_axes=("moe_latent",), out_axes=("embed",), **kw) \
+            if latent_dim else None
+        experts_cls = GatedExperts if gated else PlainExperts
+        self.experts = experts_cls(router.num_experts, inner, expert_hidden, activation=activation, **kw)
+        self.shared = shared
+
+    def __call__(self, x):
+        logits = self.router.logits(x)
+        h = self.latent_down(x) if self.latent_down is not None else x
+        bias = getattr(self.router, CORRECTION_BIAS)
+        kernels = self.kernels
+        y, stats = moe_forward(
+            h, logits, None if bias is None else bias[...], self.experts.weights(), WEIGHT_AXES,
+            route=make_route_fn(self.cfg, kernels),
+            ffn=lambda tokens, sizes, weights: self.experts.compute(tokens, sizes, weights, kernels),
+            num_experts=self.cfg.num_experts, hidden=self.expert_hidden, capacity_factor=self.cfg.capacity_factor,
+            mesh=active_mesh(), rules=active_rules())
+        if self.latent_up is not None:
+            y = self.latent_up(y)
+        if self.shared is not None:
+            y = y + self.shared(x).astype(y.dtype)
+        stats["aux_loss"] = self.aux_loss(stats)
+        return y, stats
+
+    def aux_loss(self, stats):
+        """Load-balancing loss E * sum_e f_e * P_e (f: fraction of slots, P: mean score) and
+        router z-loss, weighted by the router config."""
+        c = self.cfg
+        tokens = jnp.maximum(stats["tokens"], 1.0)
+        balance = c.num_experts * jnp.sum(stats["expert_load"] / (tokens * c.top_k) * stats["score_sum"] / tokens)
+        return c.aux_loss_weight * balance + c.z_loss_weight * stats["z_sum"] / tokens
+
+    def update_correction_bias(self, expert_load) -> None:
+        """After an optimizer step: nudge the selection bias toward balanced load."""
+        bias = getattr(self.router, CORRECTION_BIAS)
+        if bias is not None:
+            bias[...] = updated_correction_bias(bias[...], expert_load, self.cfg.bias_update_rate)
