@@ -38,8 +38,9 @@ def random_packed_batch(seed: int, batch: int, length: int, vocab: int) -> dict:
 
 
 def train_losses(mesh_cfg: MeshConfig, *, model=TINY_LLAMA, train=TINY_TRAIN, opt=TINY_OPT, rules="dp",
-                 devices=None, steps: int = 3, seed: int = 0):
-    """Runs `steps` train steps on fresh random batches; returns (losses, final params on host)."""
+                 devices=None, steps: int = 3, seed: int = 0, with_metrics: bool = False):
+    """Runs `steps` train steps on fresh random batches; returns (losses, final params on host)
+    and, with `with_metrics`, the per-step metrics on host."""
     devices = devices if devices is not None else jax.devices()
     mesh = build_mesh(mesh_cfg, devices)
     rule_set = get_rule_set(rules)
@@ -50,13 +51,15 @@ def train_losses(mesh_cfg: MeshConfig, *, model=TINY_LLAMA, train=TINY_TRAIN, op
                               batch_sharding=bsh, microbatches=train.microbatches, loss_chunk=train.loss_chunk,
                               z_loss=train.z_loss)
     state = init_state(model, tx, shardings, seed)
-    losses = []
+    losses, history = [], []
     for i in range(steps):
         host = random_packed_batch(100 + i, train.global_batch, train.seq_len, model.vocab_size)
         batch = {k: jax.device_put(v, bsh[k]) for k, v in host.items()}
         state, metrics = step_fn(state, batch)
         losses.append(float(metrics["loss"]))
-    return np.array(losses), jax.device_get(state["params"])
+        history.append(jax.device_get(metrics))
+    result = (np.array(losses), jax.device_get(state["params"]))
+    return result + (history,) if with_metrics else result
 
 
 def assert_trees_close(a, b, rtol, atol=0.0):

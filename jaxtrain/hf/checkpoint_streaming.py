@@ -1,12 +1,17 @@
-"""jaxtrain checkpoints written and read one stack row at a time, so converting never holds a
-whole model in host memory.
+"""jaxtrain checkpoints written and read a block at a time, so converting never holds a whole
+model in host memory.
 
 Orbax saves a tree of arrays that already exist. For conversion the leaves are instead
 `StreamedArray`s: a private type handler opens the same TensorStore array Orbax would and
-writes it row by row as the rows are produced, with one row per storage chunk. The result is
-an ordinary params-only checkpoint: jaxtrain.checkpoint.Checkpointer restores it onto any mesh.
-Reading for export is the reverse: a handler returns the opened TensorStore arrays instead of
-their contents, and rows are read when asked for.
+writes it block by block as the blocks are produced, one block per storage chunk. The result
+is an ordinary params-only checkpoint (Orbax still writes the metadata and commits the step
+atomically): jaxtrain.checkpoint.Checkpointer restores it onto any mesh. Reading for export
+is the reverse: a handler returns the opened TensorStore arrays instead of their contents,
+and regions are read when asked for.
+
+The handlers use Orbax's public type-handler surface (`NumpyHandler`, `get_json_tspec_write`,
+`get_json_tspec_read`, `ParamInfo`); that is the place to look if an Orbax upgrade breaks
+conversion.
 """
 from __future__ import annotations
 
@@ -20,17 +25,17 @@ import tensorstore as ts
 
 from jaxtrain.hf.errors import HFCheckpointError
 
-Rows = Callable[[], Iterable[tuple[tuple[int, ...], np.ndarray]]]
+Blocks = Callable[[], Iterable[tuple[tuple[slice, ...], np.ndarray]]]
 
 
 class StreamedArray:
-    """A checkpoint leaf of `shape`, produced as (index, block) pairs by `rows()`: `index`
-    selects leading positions (() for the whole array) and `block` fills them."""
+    """A checkpoint leaf of `shape` whose data `blocks()` produces as (region, array) pairs
+    that tile it; storage chunks are `chunk_shape`, the size of one block."""
 
-    def __init__(self, shape, dtype, stacked_axes: int, rows: Rows):
+    def __init__(self, shape, dtype, chunk_shape, blocks: Blocks):
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
-        self.chunk_shape = (1,) * stacked_axes + self.shape[stacked_axes:]
-        self.rows = rows
+        self.chunk_shape = tuple(chunk_shape)
+        self.blocks = blocks
 
 
 class _StreamingWriter(ocp.type_handlers.NumpyHandler):
@@ -45,8 +50,8 @@ class _StreamingWriter(ocp.type_handlers.NumpyHandler):
                 local_shape=value.chunk_shape, dtype=value.dtype,
                 process_index=jax.process_index() if info.is_ocdbt_checkpoint else None, arg=arg)
             store = await ts.open(ts.Spec(spec), create=True, open=True, context=info.ts_context)
-            for index, block in value.rows():
-                await store[index].write(np.asarray(block, value.dtype))
+            for region, block in value.blocks():
+                await store[region].write(np.asarray(block, value.dtype))
         return []  # everything is on disk already; nothing left to commit in the background
 
 
@@ -80,7 +85,7 @@ def save_streamed_params(checkpoint_dir: str, step: int, params) -> None:
 
 
 class CheckpointSource:
-    """The params of `checkpoint_dir/<step>`, one stack row per `layer(path, index)` call."""
+    """The params of `checkpoint_dir/<step>`, read from disk only as `region` asks for them."""
 
     def __init__(self, checkpoint_dir: str, step: int, abstract_params: dict):
         item = os.path.join(os.path.abspath(checkpoint_dir), str(step), "params")
@@ -109,5 +114,5 @@ class CheckpointSource:
                 raise HFCheckpointError(f"{item}: parameter {name} has shape {got}, but the config implies "
                                         f"{tuple(expected.shape)}")
 
-    def layer(self, path: str, index: tuple[int, ...]) -> np.ndarray:
-        return self.stores[path][index].read().result()
+    def region(self, path: str, index: tuple[int, ...], slices: tuple[slice, ...]) -> np.ndarray:
+        return self.stores[path][tuple(index) + tuple(slices)].read().result()

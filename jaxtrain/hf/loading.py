@@ -68,7 +68,7 @@ def load(hf_dir: str | os.PathLike, mesh=None, dtype: str | None = None, rules: 
         arrays = {path: _sharded_leaf(plan, path, shardings[path]) for path in plan.leaves}
     nnx.replace_by_pure_dict(abstract, unflatten(arrays))
     model = nnx.merge(graphdef, abstract)
-    model.config = config  # hf.save and the converter need the config back
+    model.config = config  # so hf.save can write config.json without being told
     return model
 
 

@@ -67,6 +67,16 @@ class Rearrange:
         if sorted(left_axes) != sorted(right_axes) or len(set(left_axes)) != len(left_axes):
             raise ValueError(f"bad rearrange pattern {pattern!r}: both sides must name the same axes once")
 
+    @property
+    def inverse(self) -> "Rearrange":
+        left, right = self.pattern.split("->")
+        return parse(f"{right.strip()} -> {left.strip()}")
+
+    def axis_group(self, left_group: int) -> int:
+        """The right-side dimension holding the outermost axis of left dimension `left_group`."""
+        axis = self.left[left_group][0]
+        return next(i for i, g in enumerate(self.right) if axis in g)
+
     # -- shapes ------------------------------------------------------------------------------
     def axis_sizes(self, left_shape: Sequence[int] | None = None,
                    right_shape: Sequence[int] | None = None) -> dict[str, int]:

@@ -28,6 +28,7 @@ DTYPES = {
     "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
 }
 _CODES = {v: k for k, v in DTYPES.items()}
+_SHARD_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +118,9 @@ class ShardedWriter:
     def __init__(self, directory: str, planned: Sequence[PlannedTensor], max_shard_bytes: int):
         self.directory = directory
         os.makedirs(directory, exist_ok=True)
+        for old in os.listdir(directory):  # a previous export's shards would confuse loaders
+            if old == INDEX_FILE or _SHARD_NAME.fullmatch(old):
+                os.remove(os.path.join(directory, old))
         groups: list[list[PlannedTensor]] = [[]]
         size = 0
         for t in sorted(planned, key=lambda t: _natural_key(t.name)):
@@ -138,8 +142,9 @@ class ShardedWriter:
             with open(os.path.join(directory, INDEX_FILE), "w") as f:
                 json.dump(index, f, indent=2)
 
-    def write(self, name: str, array: np.ndarray) -> None:
-        self.where[name].write(self.planned[name], array)
+    def write(self, name: str, array: np.ndarray, first_row: int = 0) -> None:
+        """Writes `array` as rows first_row, first_row + 1, ... of tensor `name`."""
+        self.where[name].write(self.planned[name], array, first_row)
 
     def close(self, check: bool = True) -> None:
         for f in self.files:
@@ -148,36 +153,40 @@ class ShardedWriter:
 
 class _ShardFile:
     def __init__(self, path: str, tensors: Iterable[PlannedTensor]):
-        self.path = path
+        self.path, self.tensors = path, list(tensors)
         header, offset = {"__metadata__": {"format": "pt"}}, 0
         self.offsets = {}
-        for t in tensors:
+        for t in self.tensors:
             header[t.name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
             self.offsets[t.name] = offset
             offset += t.nbytes
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-(8 + len(text)) % 8)  # data starts 8-byte aligned
         self.data_start = 8 + len(text)
-        self.pending = set(self.offsets)
+        self.missing = {t.name: t.nbytes for t in self.tensors}
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.pwrite(self.fd, len(text).to_bytes(8, "little") + text, 0)
         os.ftruncate(self.fd, self.data_start + offset)
 
-    def write(self, planned: PlannedTensor, array: np.ndarray) -> None:
-        if array.shape != planned.shape or array.dtype != planned.dtype:
-            raise ValueError(f"tensor {planned.name!r}: got {array.dtype}{list(array.shape)}, "
-                             f"planned {planned.dtype}{list(planned.shape)}")
+    def write(self, planned: PlannedTensor, array: np.ndarray, first_row: int) -> None:
+        rows = array.shape[0] if array.ndim else 1
+        if array.shape[1:] != planned.shape[1:] or array.dtype != planned.dtype or (
+                planned.shape and first_row + rows > planned.shape[0]):
+            raise ValueError(f"tensor {planned.name!r}: rows {first_row}.. of {array.dtype}{list(array.shape)} "
+                             f"do not fit {planned.dtype}{list(planned.shape)}")
+        row_bytes = planned.nbytes // planned.shape[0] if planned.shape and planned.shape[0] else 0
         data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
-        position = self.data_start + self.offsets[planned.name]
+        position = self.data_start + self.offsets[planned.name] + first_row * row_bytes
+        self.missing[planned.name] -= len(data)
         while data:
             written = os.pwrite(self.fd, data, position)
             data, position = data[written:], position + written
-        self.pending.discard(planned.name)
 
     def close(self, check: bool = True) -> None:
         os.close(self.fd)
-        if check and self.pending:
-            raise RuntimeError(f"{self.path}: tensors never written: {sorted(self.pending)[:5]}")
+        unwritten = sorted(n for n, left in self.missing.items() if left)
+        if check and unwritten:
+            raise RuntimeError(f"{self.path}: tensors not (fully) written: {unwritten[:5]}")
 
 
 def _natural_key(name: str):

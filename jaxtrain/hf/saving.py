@@ -15,19 +15,19 @@ from jaxtrain.hf.trees import flatten
 
 
 class ParamsSource:
-    """Rows of a params tree of (possibly sharded) jax arrays; keeps the few parameters last
+    """Regions of a params tree of (possibly sharded) jax arrays; keeps the few parameters last
     fetched to host, so exporting holds about one parameter on the host, not the model."""
 
     def __init__(self, params: dict, keep: int = 2):
         self.params = flatten(params)
         self.keep, self.cache = keep, collections.OrderedDict()
 
-    def layer(self, path: str, index: tuple[int, ...]) -> np.ndarray:
+    def region(self, path: str, index: tuple[int, ...], slices: tuple[slice, ...]) -> np.ndarray:
         if path not in self.cache:
             self.cache[path] = np.asarray(jax.device_get(self.params[path]))
             while len(self.cache) > self.keep:
                 self.cache.popitem(last=False)
-        return self.cache[path][index]
+        return self.cache[path][tuple(index) + tuple(slices)]
 
 
 def save(model, path: str | os.PathLike, config=None, *, dtype: str | None = None,
@@ -39,4 +39,4 @@ def save(model, path: str | os.PathLike, config=None, *, dtype: str | None = Non
     if config is None:
         raise HFConfigError("hf.save needs the model's config: pass config=..., or load the model with hf.load")
     plan = ExportPlan(family_for_config(config), config, dtype)
-    write_hf_dir(plan, ParamsSource(nnx.state(model, nnx.Param).to_pure_dict()), os.fspath(path), max_shard_bytes)
+    write_hf_dir(plan, ParamsSource(nnx.to_pure_dict(nnx.state(model, nnx.Param))), os.fspath(path), max_shard_bytes)

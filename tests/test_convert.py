@@ -1,0 +1,87 @@
+"""python -m jaxtrain.convert: HF -> checkpoint -> the trainer resumes from it with the HF
+model's loss -> checkpoint -> HF again."""
+from __future__ import annotations
+
+import gin
+import numpy as np
+import pytest
+
+from hf_tiny_models import save_tiny_llama
+from jaxtrain import convert
+from jaxtrain.config import Experiment, TrainConfig
+from jaxtrain.data import DataConfig, make_train_iterator
+from jaxtrain.hf.safetensors_io import SafetensorsDir
+from jaxtrain.optim import OptimizerConfig
+from jaxtrain.trainer import Trainer
+from meshes.mesh import MeshConfig
+
+SEQ_LEN, BATCH = 16, 4
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("convert")
+    # byte tokens (ids < 259) need vocab >= 259; heads and mlp divide tensor=4
+    hf_dir = save_tiny_llama(root / "hf", seed=3, vocab_size=320, rope_parameters={"rope_type": "default",
+                                                                                     "rope_theta": 10000.0})
+    workdir = root / "work"
+    assert convert.main([f"--hf_dir={hf_dir}", f"--workdir={workdir}"]) == 0
+    # One document longer than the batch, so every row is a single sequence as transformers sees it.
+    text = " ".join(f"token{i % 97}" for i in range(600))
+    (root / "train.txt").write_text(text)
+    (root / "valid.txt").write_text(text[:400])
+    return root, hf_dir, workdir
+
+
+def test_config_gin_describes_the_model(converted):
+    _, hf_dir, workdir = converted
+    try:
+        model = convert.model_config_from_gin([str(workdir / "config.gin")])
+    finally:
+        gin.clear_config()
+    assert (model.vocab_size, model.embed, model.heads, model.kv_heads, model.layers) == (320, 64, 8, 4, 2)
+    assert (workdir / "checkpoints" / "0" / "params").is_dir()
+
+
+def test_training_resumes_with_the_hf_models_loss(converted):
+    root, hf_dir, workdir = converted
+    try:
+        model = convert.model_config_from_gin([str(workdir / "config.gin")])
+    finally:
+        gin.clear_config()
+    data = DataConfig(train_files=(str(root / "train.txt"),), eval_files=(str(root / "valid.txt"),))
+    exp = Experiment(model=model, mesh=MeshConfig(data=4, tensor=4), data=data,
+                     train=TrainConfig(steps=1, global_batch=BATCH, seq_len=SEQ_LEN, eval_batches=1, eval_every=0,
+                                       checkpoint_every=0, async_checkpoint=False, log_every=1),
+                     optimizer=OptimizerConfig(warmup_steps=0))
+    history = Trainer(exp, str(workdir)).run()
+    batch = next(make_train_iterator(data, seq_len=SEQ_LEN, global_batch=BATCH, seed=exp.train.seed))
+    assert batch["segment_ids"].max() == 1  # one document per row: plain causal attention is exact
+    assert history[0]["loss"] == pytest.approx(transformers_loss(hf_dir, batch), rel=1e-5)
+
+
+def transformers_loss(hf_dir, batch) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.as_tensor(batch["inputs"], dtype=torch.long),
+                       position_ids=torch.as_tensor(batch["positions"], dtype=torch.long)).logits
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.as_tensor(batch["targets"]).long().flatten(),
+                                                reduction="none").numpy()
+    mask = batch["loss_mask"].reshape(-1)
+    return float((nll * mask).sum() / mask.sum())
+
+
+def test_export_round_trip_and_trained_step(converted, tmp_path):
+    _, hf_dir, workdir = converted
+    assert convert.main([f"--workdir={workdir}", f"--hf_out={tmp_path / 'step0'}", "--step=0"]) == 0
+    before, after = SafetensorsDir(hf_dir), SafetensorsDir(tmp_path / "step0")
+    assert sorted(before.tensors) == sorted(after.tensors)
+    assert all(before.read(n).tobytes() == after.read(n).tobytes() for n in before.tensors)
+    # the latest step, after training, exports too and transformers reads it
+    assert convert.main([f"--workdir={workdir}", f"--hf_out={tmp_path / 'latest'}", "--hf_dtype=bfloat16"]) == 0
+    trained = SafetensorsDir(tmp_path / "latest")
+    assert trained.tensors["model.norm.weight"].dtype.name == "bfloat16"
+    assert not np.array_equal(trained.read("model.norm.weight").astype(np.float32), before.read("model.norm.weight"))
