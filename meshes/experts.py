@@ -15,10 +15,8 @@ while attention uses `tensor x context x data`, is a table choice, not a code pa
   EDP axes    every other mesh axis: expert weights are replicated there, so each device takes
               its own slice of the (replicated) tokens and the outputs are gathered back
 
-The exchange is a padded `all_to_all` whose buffers hold, for each destination, room for
-all of this device's slots: no token is ever dropped by the exchange and the result does not
-depend on the layout. XLA:CPU has no `ragged_all_to_all`, which would send only the filled
-rows; the padded form computes the same thing.
+The exchange (meshes/expert_exchange.py) never drops a token, so the result does not depend on
+the layout: `ragged_all_to_all` on GPU, a padded `all_to_all` with the same results elsewhere.
 """
 from __future__ import annotations
 
@@ -30,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from meshes.expert_exchange import make_exchange
 from meshes.rules import RuleSet, spec_for
 
 TOKEN_NAMES = ("batch", "length", None)
@@ -93,7 +92,7 @@ def _count(ids, n: int):
 
 
 def _exchange_compute_combine(x, expert_ids, weights, expert_weights, ffn, layout: ExpertLayout | None,
-                              num_experts: int):
+                              num_experts: int, exchange):
     """x [t, d]; expert_ids [t, k] (num_experts = dropped); weights [t, k] -> [t, d]."""
     t, k = expert_ids.shape
     slots = t * k
@@ -107,22 +106,16 @@ def _exchange_compute_combine(x, expert_ids, weights, expert_weights, ffn, layou
     else:
         local = num_experts // ep
         dest = jnp.where(sorted_ids < num_experts, sorted_ids // local, ep)  # ep = nowhere (dropped)
-        counts = _count(dest, ep)
-        pos = jnp.arange(slots) - (jnp.cumsum(counts) - counts)[jnp.minimum(dest, ep - 1)]
-        send = jnp.zeros((ep, slots) + x.shape[1:], x.dtype).at[dest, pos].set(tokens, mode="drop")
-        send_ids = jnp.full((ep, slots), local, jnp.int32).at[dest, pos].set(sorted_ids - dest * local, mode="drop")
-        a2a = lambda v: jax.lax.all_to_all(v, layout.ep_axes, 0, 0, tiled=True)
-        recv, recv_ids = a2a(send).reshape((ep * slots,) + x.shape[1:]), a2a(send_ids).reshape(ep * slots)
+        recv, recv_ids, handle = exchange.send(tokens, sorted_ids - dest * local, dest, _count(dest, ep), local)
         order2 = jnp.argsort(recv_ids, stable=True)
         computed = ffn(recv[order2], _count(recv_ids, local), expert_weights)
-        back = a2a(jnp.zeros_like(computed).at[order2].set(computed).reshape((ep, slots) + x.shape[1:]))
-        out = back.at[dest, pos].get(mode="fill", fill_value=0)
+        out = exchange.back(jnp.zeros_like(computed).at[order2].set(computed), handle)
     per_slot = jnp.zeros((slots,) + out.shape[1:], out.dtype).at[order].set(out).reshape((t, k) + out.shape[1:])
     return jnp.einsum("tkd,tk->td", per_slot, weights.astype(per_slot.dtype)).astype(x.dtype)
 
 
 def _device_moe(x, logits, bias, expert_weights, *, route: Callable, ffn: Callable, layout: ExpertLayout | None,
-                num_experts: int, capacity_factor: float | None):
+                num_experts: int, capacity_factor: float | None, exchange=None):
     lead = x.shape[:-1]
     x2, lg = x.reshape(-1, x.shape[-1]), logits.reshape(-1, logits.shape[-1])
     t = x2.shape[0]
@@ -142,7 +135,7 @@ def _device_moe(x, logits, bias, expert_weights, *, route: Callable, ffn: Callab
     if capacity_factor is not None:
         expert_ids, dropped = apply_capacity(expert_ids, num_experts, capacity_factor)
         stats["dropped"] = dropped.astype(jnp.float32)
-    y = _exchange_compute_combine(x2, expert_ids, weights, expert_weights, ffn, layout, num_experts)
+    y = _exchange_compute_combine(x2, expert_ids, weights, expert_weights, ffn, layout, num_experts, exchange)
     if layout is not None:
         if layout.etp_axes:
             y = jax.lax.psum(y, layout.etp_axes)
@@ -159,13 +152,20 @@ def _entropy(scores):
     return -(p * jnp.log(jnp.maximum(p, 1e-9))).sum(-1)
 
 
+def _platform(mesh) -> str:
+    abstract_device = getattr(mesh, "abstract_device", None)  # an AbstractMesh, when cross-lowering
+    return abstract_device.platform if abstract_device is not None else mesh.devices.flat[0].platform
+
+
 def moe_forward(x, logits, bias, expert_weights: dict, weight_axes: dict, *, route: Callable, ffn: Callable,
-                num_experts: int, hidden: int, capacity_factor: float | None = None, mesh=None, rules=None):
+                num_experts: int, hidden: int, capacity_factor: float | None = None, mesh=None, rules=None,
+                exchange: str = "auto"):
     """x [b, l, d], router logits [b, l, e] -> (y [b, l, d], summed routing statistics).
 
     `route(logits [t, e], bias) -> (expert_ids [t, k], weights [t, k], scores [t, e])` and
     `ffn(sorted_tokens [n, d], group_sizes [e_local], weights) -> [n, d]` come from the model.
-    Without a mesh (or outside `use_rules`) everything runs on one device.
+    Without a mesh (or outside `use_rules`) everything runs on one device. `exchange`:
+    auto | padded | ragged (meshes/expert_exchange.py).
     """
     kw = dict(route=route, ffn=ffn, num_experts=num_experts, capacity_factor=capacity_factor)
     if mesh is None:
@@ -182,6 +182,7 @@ def moe_forward(x, logits, bias, expert_weights: dict, weight_axes: dict, *, rou
     bias_spec = PartitionSpec()
     if bias is None:
         bias = jnp.zeros((num_experts,), jnp.float32)
+    kw["exchange"] = make_exchange(exchange, layout.ep_axes, layout.ep_size, _platform(mesh))
     body = lambda xs, lg, b, ws: _device_moe(xs, lg, b, ws, layout=layout, **kw)
     return jax.shard_map(body, mesh=mesh, in_specs=(layout.token_spec, layout.token_spec, bias_spec, w_specs),
                          out_specs=(layout.token_spec, PartitionSpec()))(x, logits, place(bias, bias_spec),

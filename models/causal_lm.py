@@ -39,20 +39,9 @@ class CausalLM(nnx.Module):
         return self.final_norm(x), aux
 
     def update_router_biases(self, aux) -> None:
-        """Applies each MoE block's post-step bias update from its routing statistics; `aux`
-        mirrors the module tree under each stack (stacked per layer)."""
-        def visit(module, tree):
-            if isinstance(tree, dict) and "expert_load" in tree:
-                if hasattr(module, "update_correction_bias"):
-                    module.update_correction_bias(tree["expert_load"])
-            elif isinstance(tree, dict):
-                for key, sub in tree.items():
-                    child = getattr(module, key, None)
-                    if child is not None:
-                        visit(child, sub)
-
+        """Applies each MoE block's post-step bias update from its routing statistics."""
         for name in self.stack_order:
-            visit(self.stacks[name].layers, aux.get(name, {}))
+            self.stacks[name].update_router_biases(aux.get(name, {}))
 
     def logits(self, hidden):
         out = self.embed.attend(hidden) if self.head is None else self.head(hidden)

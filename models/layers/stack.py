@@ -51,3 +51,21 @@ class LayerStack(nnx.Module):
             one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
         x, aux = jax.lax.scan(one_layer, x, state)
         return x, aux  # aux: each leaf stacked per layer
+
+    def update_router_biases(self, aux) -> None:
+        apply_router_bias_updates(self.layers, aux)
+
+
+def apply_router_bias_updates(module, aux) -> None:
+    """Walks `aux` alongside the module tree (aux keys are attribute names) and hands each MoE
+    block its routing statistics (`expert_load`) for its post-step bias update."""
+    if not isinstance(aux, dict):
+        return
+    if "expert_load" in aux:
+        if hasattr(module, "update_correction_bias"):
+            module.update_correction_bias(aux["expert_load"])
+        return
+    for key, sub in aux.items():
+        child = getattr(module, key, None)
+        if child is not None:
+            apply_router_bias_updates(child, sub)
