@@ -10,10 +10,12 @@ from jaxtrain.data import DataConfig
 from jaxtrain.mesh_configurable import GinMeshConfig
 from jaxtrain.optim import OptimizerConfig
 from meshes.mesh_config import MeshConfig
-from models.layers.rope import Llama3Scaling, LinearScaling, NoScaling
+from models.layers.rope import Llama3Scaling, LinearScaling, NoScaling, YarnScaling
+from models.deepseek import DeepSeekConfig
+from models.layers.router import RouterConfig
 from models.llama import LlamaConfig
 
-for _cls in (LlamaConfig, NoScaling, LinearScaling, Llama3Scaling):
+for _cls in (LlamaConfig, DeepSeekConfig, RouterConfig, NoScaling, LinearScaling, Llama3Scaling, YarnScaling):
     gin.external_configurable(_cls, module="models")
 GinDataConfig = gin.external_configurable(DataConfig, name="DataConfig", module="jaxtrain")
 GinOptimizerConfig = gin.external_configurable(OptimizerConfig, name="OptimizerConfig", module="jaxtrain")

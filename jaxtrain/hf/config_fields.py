@@ -47,3 +47,21 @@ class HFConfigFields:
         if unknown:
             raise HFConfigError(f"{self.where}: field(s) {', '.join(repr(u) for u in unknown)} are not understood "
                                 f"by the {family} mapping; converting would silently ignore them")
+
+
+_TAGGED_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def decode_float(value: Any) -> Any:
+    """transformers writes non-finite floats as {"__float__": "Infinity"} (plain JSON has none)."""
+    if isinstance(value, dict) and set(value) == {"__float__"} and value["__float__"] in _TAGGED_FLOATS:
+        return _TAGGED_FLOATS[value["__float__"]]
+    return value
+
+
+def encode_float(value: float) -> Any:
+    """The inverse of decode_float, for writing config.json."""
+    for tag, v in _TAGGED_FLOATS.items():
+        if value == v:
+            return {"__float__": tag}
+    return value

@@ -103,6 +103,7 @@ def write_hf_dir(plan: ExportPlan, source, directory: str, max_shard_bytes: int 
                  block_bytes: int = BLOCK_BYTES) -> None:
     """config.json plus safetensors shards (and their index when there are several), each
     tensor written in runs of whole rows of at most `block_bytes`."""
+    config = plan.hf_config()  # a config HF cannot express fails here, before anything is written
     os.makedirs(directory, exist_ok=True)
     writer = ShardedWriter(directory, list(plan.planned.values()), max_shard_bytes)
     try:
@@ -114,4 +115,4 @@ def write_hf_dir(plan: ExportPlan, source, directory: str, max_shard_bytes: int 
         raise
     writer.close()
     with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(plan.hf_config(), f, indent=2, sort_keys=True)
+        json.dump(config, f, indent=2, sort_keys=True)

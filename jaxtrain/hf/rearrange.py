@@ -2,7 +2,9 @@
 
 A tensor mapping declares how one HF tensor's layout becomes ours as such a pattern; the same
 pattern run backwards exports. Each side lists groups of named axes; a parenthesized group is
-one dimension that holds its axes merged in row-major order. Both sides must name the same axes.
+one dimension that holds its axes merged in row-major order. Both sides must name the same axes;
+a literal `1` is a dimension of size 1 that one side has and the other lacks (HF's depthwise conv
+weights are [channels, 1, kernel], ours [channels, kernel]).
 
 `read_region` pulls only what one device shard needs: it maps a region of the output back to
 the smallest contiguous block of the input it can express as plain slices (whole dims where a
@@ -20,7 +22,7 @@ import numpy as np
 Group = tuple[str, ...]
 Region = tuple[slice, ...]
 
-_TOKEN = re.compile(r"\(|\)|[A-Za-z_][A-Za-z0-9_]*")
+_TOKEN = re.compile(r"\(|\)|[A-Za-z_][A-Za-z0-9_]*|1(?![0-9])")
 
 
 def _parse_side(text: str, pattern: str) -> tuple[Group, ...]:
@@ -40,6 +42,10 @@ def _parse_side(text: str, pattern: str) -> tuple[Group, ...]:
                 raise ValueError(f"bad rearrange pattern {pattern!r}: empty or unopened group")
             groups.append(tuple(current))
             current = None
+        elif token == "1":  # a size-1 dimension holding no named axis
+            if current is not None:
+                raise ValueError(f"bad rearrange pattern {pattern!r}: `1` inside a group")
+            groups.append(())
         elif current is not None:
             current.append(token)
         else:

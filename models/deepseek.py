@@ -1,0 +1,134 @@
+"""The DeepSeek-V2 family: MLA attention, the first `first_k_dense` layers with a dense SwiGLU
+MLP, the rest DeepSeekMoE (routed experts + shared experts).
+
+Dense and MoE layers are two layer stacks (`dense_blocks`, `moe_blocks`), each scanned.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+from flax import nnx
+
+from models.causal_lm import CausalLM, add_residual
+from models.dtypes import dtype_from_name
+from models.layers.mla import MultiHeadLatentAttention, mla_softmax_scale
+from models.layers.mlp import SwiGLU
+from models.layers.moe import MoEBlock
+from models.layers.norm import RMSNorm
+from models.layers.rope import NoScaling, rope_attention_factor
+from models.layers.router import RouterConfig
+from models.layers.stack import LayerStack
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepSeekConfig:
+    vocab_size: int = 512
+    embed: int = 64
+    layers: int = 4
+    first_k_dense: int = 1  # HF first_k_dense_replace
+    heads: int = 4
+    q_lora_rank: int | None = None  # None: queries projected directly (DeepSeek-V2-Lite)
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    mlp: int = 128  # dense layers' intermediate size
+    expert_mlp: int = 32  # each routed expert's intermediate size (HF moe_intermediate_size)
+    shared_experts: int = 1  # the shared expert is one SwiGLU of width shared_experts * expert_mlp
+    router: RouterConfig = RouterConfig(num_experts=8, top_k=2)
+    rope_theta: float = 10000.0
+    rope_scaling: object = NoScaling()
+    norm_eps: float = 1e-6
+    latent_norm_eps: float = 1e-6  # MLA's q/kv latent norms (transformers fixes 1e-6 there)
+    tie_embeddings: bool = False
+    attention_bias: bool = False
+    init_std: float = 0.02
+    dtype: str = "float32"
+    remat: str = "none"
+    kernels: str = "xla"  # MoE routing / grouped matmul: auto | pallas | xla
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.first_k_dense
+
+    def validate(self, mesh_sizes: Mapping[str, int]) -> None:
+        tensor = mesh_sizes.get("tensor", 1)
+        if self.heads % tensor:
+            raise ValueError(f"DeepSeekConfig.heads={self.heads} is not divisible by the tensor axis size {tensor}")
+        if not 0 <= self.first_k_dense <= self.layers:
+            raise ValueError(f"DeepSeekConfig.first_k_dense={self.first_k_dense} must be in [0, layers={self.layers}]")
+        if self.mlp % tensor:
+            raise ValueError(f"DeepSeekConfig.mlp={self.mlp} is not divisible by the tensor axis size {tensor}")
+        self.router.validate()
+
+    def build(self, rngs: nnx.Rngs) -> CausalLM:
+        stacks = {}
+        if self.first_k_dense:
+            stacks["dense_blocks"] = LayerStack(lambda r: DeepSeekBlock(self, moe=False, rngs=r), self.first_k_dense,
+                                                rngs=rngs, remat=self.remat)
+        if self.moe_layers:
+            stacks["moe_blocks"] = LayerStack(lambda r: DeepSeekBlock(self, moe=True, rngs=r), self.moe_layers,
+                                              rngs=rngs, remat=self.remat)
+        return CausalLM(vocab=self.vocab_size, embed=self.embed, stacks=stacks, norm_eps=self.norm_eps,
+                        tie_embeddings=self.tie_embeddings, rngs=rngs, init_std=self.init_std,
+                        dtype=dtype_from_name(self.dtype))
+
+    # -- sizes -------------------------------------------------------------------------------
+    def _attention_params(self) -> int:
+        d, h = self.embed, self.heads
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        q = d * h * qk if self.q_lora_rank is None else d * self.q_lora_rank + self.q_lora_rank * (h * qk + 1)
+        kv = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * (
+            h * (self.qk_nope_head_dim + self.v_head_dim) + 1)
+        return q + kv + h * self.v_head_dim * d
+
+    def param_count(self, include_embeddings: bool = True, active_only: bool = False) -> int:
+        d, e = self.embed, self.router.num_experts
+        experts = (self.router.top_k if active_only else e) * 3 * d * self.expert_mlp
+        moe = d * e + experts + 3 * d * self.shared_experts * self.expert_mlp
+        per_layer = self._attention_params() + 2 * d
+        total = self.layers * per_layer + self.first_k_dense * 3 * d * self.mlp + self.moe_layers * moe + d
+        emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return total + (emb if include_embeddings else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6 x active matmul parameters + causal attention (qk and v head dims)."""
+        active = self.param_count(include_embeddings=False, active_only=True) + self.vocab_size * self.embed
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        attention = 3 * self.layers * self.heads * (qk + self.v_head_dim) * seq_len
+        return 6 * active + attention
+
+
+class DeepSeekBlock(nnx.Module):
+    """Pre-norm MLA attention, then either a dense SwiGLU (`mlp`) or DeepSeekMoE (`moe`)."""
+
+    def __init__(self, cfg: DeepSeekConfig, *, moe: bool, rngs: nnx.Rngs):
+        dtype = dtype_from_name(cfg.dtype)
+        kw = dict(rngs=rngs, init_std=cfg.init_std, dtype=dtype)
+        qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        self.attn_norm = RMSNorm(cfg.embed, rngs=rngs, eps=cfg.norm_eps)
+        self.attn = MultiHeadLatentAttention(
+            cfg.embed, cfg.heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+            qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+            inv_freq=cfg.rope_scaling.inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta),
+            softmax_scale=mla_softmax_scale(qk_head_dim, cfg.rope_scaling),
+            rope_attention_factor=rope_attention_factor(cfg.rope_scaling), norm_eps=cfg.latent_norm_eps,
+            use_bias=cfg.attention_bias, **kw)
+        self.mlp_norm = RMSNorm(cfg.embed, rngs=rngs, eps=cfg.norm_eps)
+        if moe:
+            shared = SwiGLU(cfg.embed, cfg.shared_experts * cfg.expert_mlp, **kw) if cfg.shared_experts else None
+            self.moe = MoEBlock(cfg.embed, router=cfg.router, expert_hidden=cfg.expert_mlp, shared=shared,
+                                kernels=cfg.kernels, **kw)
+            self.mlp = None
+        else:
+            self.mlp = SwiGLU(cfg.embed, cfg.mlp, **kw)
+            self.moe = None
+
+    def __call__(self, x, positions, segment_ids):
+        x = add_residual(x, self.attn(self.attn_norm(x), positions, segment_ids))
+        h = self.mlp_norm(x)
+        if self.moe is None:
+            return add_residual(x, self.mlp(h)), {}
+        y, stats = self.moe(h)
+        return add_residual(x, y), {"moe": stats}
