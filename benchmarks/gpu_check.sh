@@ -12,6 +12,12 @@ if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON"
 elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python
 else PY=python3; fi
 
+# grain and gin-config are not in the GPU image: benchmarks/fetch_gpu_wheels.sh puts them in .whl/.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+fi
+
 # tests/conftest.py defaults JAX_PLATFORMS to cpu; the point here is the GPU.
 export JAX_PLATFORMS="${GPU_JAX_PLATFORMS:-cuda}"
 
@@ -32,5 +38,12 @@ echo "== kernel benchmarks"
 timeout -k 10 210 "$PY" benchmarks/kernel_bench.py --budget_s 150 "$@"
 rc=$?
 [[ $rc -eq 0 ]] || { echo "kernel_bench: exit $rc"; status=1; }
+
+echo "== train step: small dense and small MoE model (tokens/s, MFU, memory)"
+for cfg in configs/gpu_dense_small.gin configs/gpu_moe_small.gin; do
+  timeout -k 10 120 "$PY" -m jaxtrain.bench step --gin_file="$cfg" --steps 10 2>&1 | grep -v "^W[0-9]" | tail -n 6
+  rc=${PIPESTATUS[0]}
+  [[ $rc -eq 0 ]] || { echo "bench $cfg: exit $rc"; status=1; }
+done
 
 exit $status
