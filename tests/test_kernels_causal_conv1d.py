@@ -8,20 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernel_checks import TOL, assert_close
 from pallas_kernels import gpu_lowering
 from pallas_kernels.causal_conv1d import causal_conv1d
 
 B, L, D = 2, 37, 20  # L, D not multiples of the blocks used below
-TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
-
-
-def assert_close(actual, expected, rtol):
-  actual = np.asarray(actual, np.float64)
-  expected = np.asarray(expected, np.float64)
-  assert actual.shape == expected.shape
-  scale = max(np.max(np.abs(expected), initial=0.0), 1e-6)
-  err = np.max(np.abs(actual - expected), initial=0.0) / scale
-  assert err <= rtol, f"relative error {err:.3g} > {rtol}"
 
 
 def make_inputs(seed, k, dtype=jnp.float32):

@@ -8,8 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernel_checks import TOL, assert_close, exact_f32_matmuls  # noqa: F401
 from pallas_kernels import gpu_lowering
 from pallas_kernels.grouped_matmul import grouped_matmul, tile_schedule
+
+pytestmark = pytest.mark.usefixtures("exact_f32_matmuls")
 
 M, K, N, G = 48, 40, 24, 4  # none a multiple of its block: exercises masks
 GROUP_SIZES = {
@@ -19,23 +22,6 @@ GROUP_SIZES = {
     "rows_left_over": [5, 7, 0, 9],
     "all_empty": [0, 0, 0, 0],
 }
-TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
-
-
-@pytest.fixture(autouse=True)
-def _exact_f32_matmuls():
-  # XLA on GPU would use TF32 for f32 matmuls; the kernels do not.
-  with jax.default_matmul_precision("highest"):
-    yield
-
-
-def assert_close(actual, expected, rtol):
-  actual = np.asarray(actual, np.float64)
-  expected = np.asarray(expected, np.float64)
-  assert actual.shape == expected.shape
-  scale = max(np.max(np.abs(expected), initial=0.0), 1e-6)
-  err = np.max(np.abs(actual - expected), initial=0.0) / scale
-  assert err <= rtol, f"relative error {err:.3g} > {rtol}"
 
 
 def numpy_grouped_matmul(lhs, rhs, group_sizes):

@@ -9,8 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernel_checks import TOL, assert_close, exact_f32_matmuls  # noqa: F401
 from pallas_kernels import gpu_lowering
 from pallas_kernels.ssd_scan import ssd_scan, ssd_scan_naive
+
+pytestmark = pytest.mark.usefixtures("exact_f32_matmuls")
 
 # (b, l, h, p, g, n, chunk): l not a multiple of the chunk, groups 1 and > 1,
 # p/n not powers of 2 (masked Triton tiles).
@@ -18,23 +21,6 @@ SHAPES = {
     "grouped_ragged_len": (2, 37, 4, 8, 2, 16, 16),
     "one_group_odd_dims": (1, 32, 2, 6, 1, 12, 16),
 }
-TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
-
-
-@pytest.fixture(autouse=True)
-def _exact_f32_matmuls():
-  # XLA on GPU would use TF32 for f32 matmuls; the kernels do not.
-  with jax.default_matmul_precision("highest"):
-    yield
-
-
-def assert_close(actual, expected, rtol):
-  actual = np.asarray(actual, np.float64)
-  expected = np.asarray(expected, np.float64)
-  assert actual.shape == expected.shape
-  scale = max(np.max(np.abs(expected), initial=0.0), 1e-6)
-  err = np.max(np.abs(actual - expected), initial=0.0) / scale
-  assert err <= rtol, f"relative error {err:.3g} > {rtol}"
 
 
 def make_inputs(shape_name, seed, dtype=jnp.float32):
