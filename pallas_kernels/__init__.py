@@ -11,5 +11,4 @@ from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.moe_routing import RoutingPlan, route
 from pallas_kernels.ssd_scan import ssd_scan
 
-__all__ = ["causal_conv1d", "grouped_matmul", "route", "RoutingPlan",
-           "ssd_scan"]
+__all__ = ["causal_conv1d", "grouped_matmul", "route", "RoutingPlan", "ssd_scan"]

@@ -19,21 +19,19 @@ _NUM_SMS = 132
 TRITON_CALL_TARGET = "xla.gpu.triton"
 
 
-def lower_for_gpu(fn, *args, device_kind: str = GPU_DEVICE_KINDS["H100"],
-                  **kwargs) -> str:
-  """StableHLO text of `jax.jit(fn)` lowered for CUDA on `device_kind`.
+def lower_for_gpu(fn, *args, device_kind: str = GPU_DEVICE_KINDS["H100"], **kwargs) -> str:
+    """StableHLO text of `jax.jit(fn)` lowered for CUDA on `device_kind`.
 
-  `args` may be `jax.ShapeDtypeStruct`s. Raises whatever the Triton lowering
-  raises (e.g. ValueError for a non-power-of-2 block).
-  """
-  device = jax.sharding.AbstractDevice(
-      device_kind=device_kind, num_cores=_NUM_SMS, platform="gpu")
-  mesh = jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=device)
-  with jax.sharding.use_abstract_mesh(mesh):
-    traced = jax.jit(fn).trace(*args, **kwargs)
-    lowered = traced.lower(lowering_platforms=("cuda",))
-  return lowered.as_text()
+    `args` may be `jax.ShapeDtypeStruct`s. Raises whatever the Triton lowering
+    raises (e.g. ValueError for a non-power-of-2 block).
+    """
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=_NUM_SMS, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        traced = jax.jit(fn).trace(*args, **kwargs)
+        lowered = traced.lower(lowering_platforms=("cuda",))
+    return lowered.as_text()
 
 
 def count_triton_kernels(hlo_text: str) -> int:
-  return hlo_text.count(TRITON_CALL_TARGET)
+    return hlo_text.count(TRITON_CALL_TARGET)
