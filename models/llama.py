@@ -52,6 +52,8 @@ class LlamaConfig:
         for name in ("vocab_size", "embed", "layers", "heads", "kv_heads", "mlp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.resolved_head_dim % 2:
+            raise ValueError(f"LlamaConfig head_dim={self.resolved_head_dim} must be even (rotary dims come in pairs)")
 
     def build(self, rngs: nnx.Rngs) -> CausalLM:
         return build_llama(self, rngs)

@@ -13,6 +13,7 @@ from jaxtrain import train
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [  # keep compiles small; the default config's own size is exercised by `make train`
     "--gin_param=LlamaConfig.embed=32", "--gin_param=LlamaConfig.layers=2", "--gin_param=LlamaConfig.mlp=64",
+    "--gin_param=LlamaConfig.heads=4", "--gin_param=LlamaConfig.kv_heads=2",
     "--gin_param=TrainConfig.seq_len=32", "--gin_param=TrainConfig.eval_batches=1",
 ]
 
@@ -59,6 +60,7 @@ def in_process(args, capsys):
     (["LlamaConfig.heads=6", "LlamaConfig.kv_heads=3"], "kv_heads=3 is not divisible by the tensor axis size 2"),
     (["LlamaConfig.heads=6", "LlamaConfig.kv_heads=2", "MeshConfig.data=4", "MeshConfig.tensor=4"],
      "heads=6 is not divisible by the tensor axis size 4"),
+    (["LlamaConfig.heads=8", "LlamaConfig.embed=40"], "head_dim=5 must be even"),
     (["TrainConfig.steps=0"], "TrainConfig.steps must be positive"),
     (["TrainConfig.global_batch=-8"], "TrainConfig.global_batch must be positive"),
     (["TrainConfig.nonexistent=3"], "nonexistent"),

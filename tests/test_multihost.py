@@ -15,7 +15,8 @@ from jaxtrain.launch import DEFAULT_GIN
 from jaxtrain.trainer import Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BINDINGS = ["LlamaConfig.embed=32", "LlamaConfig.layers=2", "LlamaConfig.mlp=64", "TrainConfig.seq_len=32",
+BINDINGS = ["LlamaConfig.embed=32", "LlamaConfig.layers=2", "LlamaConfig.mlp=64", "LlamaConfig.heads=4",
+            "LlamaConfig.kv_heads=2", "TrainConfig.seq_len=32",
             "TrainConfig.eval_batches=1", "TrainConfig.steps=3", "MeshConfig.data=8"]
 
 
