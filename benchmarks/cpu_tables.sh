@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Re-measures the CPU tables in README.md (16 simulated devices on this machine's CPU cores).
+# Each table's layouts run side by side in one process, so their ratios are comparable.
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+quiet() { grep -v -E "^(W|I)[0-9]{4}|Warning|warnings.warn|^\s*$"; }
+
+echo "== default model (configs/default.gin), 16 simulated devices"
+$PY -m jaxtrain.bench step --gin_file=configs/default.gin --steps 5 \
+  --layout data=16 --layout data=4,tensor=4 --layout data=8,tensor=2,rules=fsdp \
+  --layout data=2,expert=2,tensor=4 --layout data=4,context=2,tensor=2,rules=dp_sp 2>&1 | quiet
+
+echo "== tiny DeepSeek-V2 (configs/deepseek_v2_tiny.gin), 16 simulated devices"
+$PY -m jaxtrain.bench step --gin_file=configs/deepseek_v2_tiny.gin --steps 5 \
+  --layout expert=16,rules=dp --layout data=4,context=2,tensor=2,rules=dp+experts_folded \
+  --layout data=16,rules=fsdp 2>&1 | quiet
+
+echo "== DeepSeek-V2-Lite, full size, seq 4096, compile only (8 devices: one pipeline stage's shape)"
+$PY -m jaxtrain.bench step --gin_file=configs/deepseek_v2_lite.gin --compile_only \
+  --layout data=2,context=2,tensor=2,rules=fsdp+experts_folded 2>&1 | quiet
