@@ -19,3 +19,11 @@ $PY -m jaxtrain.bench step --gin_file=configs/deepseek_v2_tiny.gin --steps 5 \
 echo "== DeepSeek-V2-Lite, full size, seq 4096, compile only (8 devices: one pipeline stage's shape)"
 $PY -m jaxtrain.bench step --gin_file=configs/deepseek_v2_lite.gin --compile_only \
   --layout data=2,context=2,tensor=2,rules=fsdp+experts_folded 2>&1 | quiet
+
+echo "== Mamba-2 SSD scan on one CPU device: chunked reference vs token-by-token scan, forward+backward"
+$PY benchmarks/ssd_cpu.py --lengths 512,2048,8192 2>&1 | quiet
+
+echo "== Nemotron-3-Nano, full size, seq 8192, compile only, 16 devices (the gin's rules, fsdp, where a layout names none)"
+$PY -m jaxtrain.bench step --gin_file=configs/nemotron3_nano.gin --compile_only \
+  --layout data=8,tensor=2 --layout data=16,rules=fsdp \
+  --layout data=8,tensor=2,rules=dp+experts_folded --layout data=16,rules=fsdp+experts_folded 2>&1 | quiet

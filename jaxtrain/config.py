@@ -13,9 +13,13 @@ from meshes.mesh_config import MeshConfig
 from models.layers.rope import Llama3Scaling, LinearScaling, NoScaling, YarnScaling
 from models.deepseek import DeepSeekConfig
 from models.layers.router import RouterConfig
+from models.layers.mamba2 import SSMConfig
 from models.llama import LlamaConfig
+from models.mamba2 import Mamba2Config
+from models.nemotron_h import NemotronHConfig
 
-for _cls in (LlamaConfig, DeepSeekConfig, RouterConfig, NoScaling, LinearScaling, Llama3Scaling, YarnScaling):
+for _cls in (LlamaConfig, DeepSeekConfig, RouterConfig, NoScaling, LinearScaling, Llama3Scaling, YarnScaling,
+             NemotronHConfig, Mamba2Config, SSMConfig):
     gin.external_configurable(_cls, module="models")
 GinDataConfig = gin.external_configurable(DataConfig, name="DataConfig", module="jaxtrain")
 GinOptimizerConfig = gin.external_configurable(OptimizerConfig, name="OptimizerConfig", module="jaxtrain")

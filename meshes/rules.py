@@ -62,12 +62,16 @@ _ACTIVATIONS: Table = {
     "kv_heads": ("tensor",),
     "mlp": ("tensor",),
     "vocab": ("tensor",),
+    "ssm_heads": ("tensor",),  # Mamba-2 heads split like attention heads,
+    "ssm_groups": ("tensor",),  # and their B/C groups with them
 }
 _TENSOR_PARALLEL_PARAMS: Table = {
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "mlp": ("tensor",),
     "vocab": ("tensor",),
+    "ssm_heads": ("tensor",),
+    "ssm_groups": ("tensor",),
     "experts": ("expert",),  # expert parallel over the expert axis
 }
 # FSDP / ZeRO-3: the embed dimension of every weight is also split over the data-parallel axes.

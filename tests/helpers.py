@@ -5,6 +5,7 @@ import dataclasses
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jaxtrain.config import TrainConfig
 from jaxtrain.optim import OptimizerConfig, make_optimizer
@@ -38,9 +39,10 @@ def random_packed_batch(seed: int, batch: int, length: int, vocab: int) -> dict:
 
 
 def train_losses(mesh_cfg: MeshConfig, *, model=TINY_LLAMA, train=TINY_TRAIN, opt=TINY_OPT, rules="dp",
-                 devices=None, steps: int = 3, seed: int = 0, with_metrics: bool = False):
+                 devices=None, steps: int = 3, seed: int = 0, with_metrics: bool = False, init_params=None):
     """Runs `steps` train steps on fresh random batches; returns (losses, final params on host)
-    and, with `with_metrics`, the per-step metrics on host."""
+    and, with `with_metrics`, the per-step metrics on host. `init_params` (a host tree) replaces
+    the seeded initialization, which saves compiling it again for every layout."""
     devices = devices if devices is not None else jax.devices()
     mesh = build_mesh(mesh_cfg, devices)
     rule_set = get_rule_set(rules)
@@ -50,7 +52,12 @@ def train_losses(mesh_cfg: MeshConfig, *, model=TINY_LLAMA, train=TINY_TRAIN, op
     step_fn = make_train_step(graphdef, tx, schedule, mesh=mesh, rules=rule_set, state_shardings=shardings,
                               batch_sharding=bsh, microbatches=train.microbatches, loss_chunk=train.loss_chunk,
                               z_loss=train.z_loss)
-    state = init_state(model, tx, shardings, seed)
+    if init_params is None:
+        state = init_state(model, tx, shardings, seed)
+    else:
+        params = jax.device_put(init_params, shardings["params"])
+        state = {"step": jax.device_put(np.int32(0), shardings["step"]), "params": params,
+                 "opt_state": jax.jit(tx.init, out_shardings=shardings["opt_state"])(params)}
     losses, history = [], []
     for i in range(steps):
         host = random_packed_batch(100 + i, train.global_batch, train.seq_len, model.vocab_size)
@@ -60,6 +67,12 @@ def train_losses(mesh_cfg: MeshConfig, *, model=TINY_LLAMA, train=TINY_TRAIN, op
         history.append(jax.device_get(metrics))
     result = (np.array(losses), jax.device_get(state["params"]))
     return result + (history,) if with_metrics else result
+
+
+def initial_params(model, seed: int = 0) -> dict:
+    """The seeded initial parameters of `model` on the host (as train_losses would start from)."""
+    return jax.device_get(jax.jit(lambda key: nnx.state(model.build(nnx.Rngs(params=key))).to_pure_dict())(
+        jax.random.key(seed)))
 
 
 def assert_trees_close(a, b, rtol, atol=0.0):

@@ -1,4 +1,4 @@
-"""Tiny transformers Llama checkpoints with random weights, saved locally (never the hub)."""
+"""Tiny transformers checkpoints with random weights, saved locally (never the hub)."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,9 +14,20 @@ def save_tiny_llama(directory, *, seed: int = 0, max_shard_size=None, **config) 
     base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=8, num_key_value_heads=4)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**base, **config}))
+    return save_randomized(model, directory, max_shard_size=max_shard_size)
+
+
+def save_randomized(model, directory, *, max_shard_size=None) -> str:
+    """Every parameter and saved float buffer of a transformers model random (norm scales near one),
+    then saved with save_pretrained; seed torch before building the model."""
+    import torch
+
+    saved = set(model.state_dict())  # persistent buffers only (not e.g. rotary caches)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if name not in saved or not p.dtype.is_floating_point:
+                continue
+            if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:
                 p.copy_(0.1 * torch.randn_like(p))
@@ -32,3 +43,31 @@ def random_tokens(vocab: int, batch: int = 4, length: int = 16, seed: int = 0) -
 def relative_error(ours, theirs) -> float:
     ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
     return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
+
+
+def save_tiny_nemotron_h(directory, *, seed: int = 0, **config) -> str:
+    """A NemotronHForCausalLM with all four block kinds, 2 B/C groups and a chunk (6) that does not
+    divide the test sequences; `config` overrides (transformers names)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    base = dict(vocab_size=96, hidden_size=32, layers_block_type=["linear_attention", "moe", "full_attention",
+                                                                  "mlp", "linear_attention", "moe"],
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+                mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=8, n_groups=2, chunk_size=6,
+                n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                moe_shared_expert_intermediate_size=24)
+    model = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**{**base, **config}))
+    return save_randomized(model, directory)
+
+
+def save_tiny_mamba2(directory, *, seed: int = 0, **config) -> str:
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    base = dict(vocab_size=96, hidden_size=32, num_heads=8, head_dim=8, expand=2, state_size=8, n_groups=2,
+                num_hidden_layers=2, chunk_size=6)
+    model = transformers.Mamba2ForCausalLM(transformers.Mamba2Config(**{**base, **config}))
+    return save_randomized(model, directory)

@@ -24,6 +24,7 @@ from models.layers.params import param, zeros
     ("e (h d) -> h d e", (5, 12), (3, 4, 5)),
     ("a b c -> (b a) c", (3, 4, 2), (12, 2)),
     ("v e -> e v", (7, 3), (3, 7)),
+    ("(h d) 1 k -> h d k", (12, 1, 5), (3, 4, 5)),  # a depthwise conv weight: the size-1 dim dropped
 ])
 def test_forward_backward_and_region_reads(pattern, left_shape, right_shape):
     r = parse(pattern)
@@ -57,7 +58,7 @@ def test_region_read_of_split_heads_reads_only_those_rows():
     assert reads == [(slice(8, 16), slice(None))]  # heads 2-3 are rows 8..15 on disk
 
 
-@pytest.mark.parametrize("pattern", ["a b -> a", "(a b -> b a", "a a -> a a", "a -> b"])
+@pytest.mark.parametrize("pattern", ["a b -> a", "(a b -> b a", "a a -> a a", "a -> b", "(a 1) -> a"])
 def test_bad_patterns(pattern):
     with pytest.raises(ValueError, match="bad rearrange pattern"):
         parse(pattern)

@@ -12,6 +12,9 @@ from models.layers.rope import apply_rope
 
 
 class GroupedQueryAttention(nnx.Module):
+    """`inv_freq=None`: no rotary embedding (NoPE; in hybrid models the recurrent layers carry
+    position)."""
+
     def __init__(self, embed: int, heads: int, kv_heads: int, head_dim: int, *, inv_freq,
                  rngs: nnx.Rngs, use_bias: bool = False, init_std: float = 0.02, dtype=None):
         if heads % kv_heads:
@@ -21,12 +24,16 @@ class GroupedQueryAttention(nnx.Module):
         self.k = Dense((embed,), (kv_heads, head_dim), in_axes=("embed",), out_axes=("kv_heads", "head_dim"), **kw)
         self.v = Dense((embed,), (kv_heads, head_dim), in_axes=("embed",), out_axes=("kv_heads", "head_dim"), **kw)
         self.o = Dense((heads, head_dim), (embed,), in_axes=("heads", "head_dim"), out_axes=("embed",), **kw)
-        self.inv_freq = tuple(float(f) for f in inv_freq)  # static: part of the graph, not state
+        # static: part of the graph, not state
+        self.inv_freq = None if inv_freq is None else tuple(float(f) for f in inv_freq)
         self.scale = 1.0 / math.sqrt(head_dim)
 
+    def _rope(self, x, positions):
+        return x if self.inv_freq is None else apply_rope(x, positions, self.inv_freq)
+
     def __call__(self, x, positions, segment_ids):
-        q = constrain(apply_rope(self.q(x), positions, self.inv_freq), ("batch", "length", "heads", None))
-        k = constrain(apply_rope(self.k(x), positions, self.inv_freq), ("batch", "length", "kv_heads", None))
+        q = constrain(self._rope(self.q(x), positions), ("batch", "length", "heads", None))
+        k = constrain(self._rope(self.k(x), positions), ("batch", "length", "kv_heads", None))
         v = constrain(self.v(x), ("batch", "length", "kv_heads", None))
         mask = attention_mask(segment_ids, segment_ids)
         return self.o(dot_product_attention(q, k, v, mask, scale=self.scale))

@@ -6,24 +6,12 @@ path is `jax.lax.ragged_dot`.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.layers.activations import activation as _activation
 from models.layers.params import normal, param
 from pallas_kernels.grouped_matmul import grouped_matmul
-
-ACTIVATIONS = {
-    "silu": jax.nn.silu,
-    "gelu": jax.nn.gelu,
-    "relu2": lambda x: jnp.square(jax.nn.relu(x)),
-}
-
-
-def _activation(name: str):
-    if name not in ACTIVATIONS:
-        raise ValueError(f"unknown expert activation {name!r}; choose one of {sorted(ACTIVATIONS)}")
-    return ACTIVATIONS[name]
 
 
 class GatedExperts(nnx.Module):

@@ -31,15 +31,16 @@ def make_route_fn(cfg: RouterConfig, kernels: str):
 class MoEBlock(nnx.Module):
     def __init__(self, embed: int, *, router: RouterConfig, expert_hidden: int, rngs: nnx.Rngs, gated: bool = True,
                  activation: str = "silu", shared: nnx.Module | None = None, latent_dim: int | None = None,
-                 init_std: float = 0.02, dtype=jnp.float32, kernels: str = "xla"):
+                 latent_bias: bool = False, init_std: float = 0.02, dtype=jnp.float32, kernels: str = "xla"):
         self.cfg, self.kernels, self.expert_hidden = router, kernels, expert_hidden
         self.router = Router(embed, router, rngs=rngs, init_std=init_std)
         inner = latent_dim or embed
         kw = dict(rngs=rngs, init_std=init_std, dtype=dtype)
-        self.latent_down = Dense((embed,), (inner,), in_axes=("embed",), out_axes=("moe_latent",), **kw) \
-            if latent_dim else None
-        self.latent_up = Dense((inner,), (embed,), in_axes=("moe_latent",), out_axes=("embed",), **kw) \
-            if latent_dim else None
+        # `latent_bias`: biases on the two latent projections (Nemotron-H ties them to its mlp_bias)
+        self.latent_down = Dense((embed,), (inner,), in_axes=("embed",), out_axes=("moe_latent",),
+                                 use_bias=latent_bias, **kw) if latent_dim else None
+        self.latent_up = Dense((inner,), (embed,), in_axes=("moe_latent",), out_axes=("embed",),
+                               use_bias=latent_bias, **kw) if latent_dim else None
         experts_cls = GatedExperts if gated else PlainExperts
         self.experts = experts_cls(router.num_experts, inner, expert_hidden, activation=activation, **kw)
         self.shared = shared

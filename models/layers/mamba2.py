@@ -1,0 +1,170 @@
+"""Mamba-2 mixer: input projections, short causal conv, SSD scan, gated group norm, output.
+
+    z, x, B, C, dt = projections of the input          (x, z: heads x head_dim; B, C: groups x state)
+    x, B, C        = silu(causal depthwise conv)          (window restarts at packed-document starts)
+    dt             = clamp(softplus(dt + dt_bias), time_step_limit)
+    y              = SSD(x, dt, A = -exp(A_log), B, C) + D * x   (state restarts at document starts)
+    out            = out_proj(gated_group_rmsnorm(y, z))
+
+HF fuses the five projections into one `in_proj` and the three convs into one `conv1d`; here each
+is its own parameter with logical axes (ssm_heads / ssm_groups), so a rule table can split heads
+and groups over `tensor` like attention heads. The conv and the scan are called in one place
+each (`ShortConv.__call__`, `Mamba2Mixer._scan`), where the Pallas kernels take over on GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshes.rules import constrain
+from models.layers.dense import Dense
+from models.layers.gated_norm import GatedGroupRMSNorm
+from models.layers.params import LOGICAL_AXES, param
+from pallas_kernels.causal_conv1d import causal_conv1d
+from pallas_kernels.ssd_scan import ssd_scan
+
+PER_HEAD = ("batch", "length", "ssm_heads", None)
+PER_GROUP = ("batch", "length", "ssm_groups", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class SSMConfig:
+    """Shape and numerics of one Mamba-2 mixer (HF names in comments)."""
+    heads: int = 8  # mamba_num_heads / num_heads
+    head_dim: int = 16  # mamba_head_dim / head_dim
+    state: int = 16  # ssm_state_size / state_size
+    groups: int = 1  # n_groups: heads share B and C within a group
+    conv_kernel: int = 4
+    chunk_size: int = 128  # SSD chunk; any length works, a power of 2 >= 16 for the Pallas kernel
+    time_step_limit: tuple = (0.0, None)  # dt clamp after softplus; None = unbounded above
+    conv_bias: bool = True  # use_conv_bias
+    proj_bias: bool = False  # use_bias: biases on the input and output projections
+    dt_init_range: tuple = (0.001, 0.1)  # init only: dt log-uniform in this range
+    dt_init_floor: float = 1e-4
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    def validate(self, tensor: int, owner: str) -> None:
+        for name in ("heads", "head_dim", "state", "groups", "conv_kernel", "chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{owner}.ssm.{name} must be positive, got {getattr(self, name)}")
+        if self.heads % self.groups:
+            raise ValueError(f"{owner}.ssm.heads={self.heads} is not a multiple of ssm.groups={self.groups}")
+        if self.heads % tensor:
+            raise ValueError(f"{owner}.ssm.heads={self.heads} is not divisible by the tensor axis size {tensor}")
+        if self.groups > 1 and self.groups % tensor:
+            raise ValueError(f"{owner}.ssm.groups={self.groups} is not divisible by the tensor axis size {tensor} "
+                             f"(groups split with their heads; only groups=1 is replicated instead)")
+        lo, hi = self.time_step_limit
+        if lo < 0 or (hi is not None and hi <= lo):
+            raise ValueError(f"{owner}.ssm.time_step_limit={self.time_step_limit} must be (min >= 0, max > min "
+                             f"or None)")
+
+    def param_count(self, embed: int) -> int:
+        bc = 2 * self.groups * self.state
+        proj = embed * (2 * self.inner + bc + self.heads) + self.inner * embed
+        proj_bias = (2 * self.inner + bc + self.heads + embed) if self.proj_bias else 0
+        conv = (self.inner + bc) * (self.conv_kernel + (1 if self.conv_bias else 0))
+        return proj + proj_bias + conv + 3 * self.heads + self.inner  # A_log, D, dt_bias; norm scale
+
+    def matmul_params(self, embed: int) -> int:
+        return embed * (3 * self.inner + 2 * self.groups * self.state + self.heads)
+
+    def scan_flops_per_token(self) -> float:
+        """Training FLOPs per token of the chunked scan (forward x 3), multiply-adds x 2:
+        intra-chunk C.B scores per group and score @ x per head (causal half of each chunk, as
+        attention counts its causal half), and per head the chunk-state write (x ⊗ B) and the
+        state read (state @ C). The chunk-to-chunk recurrence is O(1/chunk) of that and left out."""
+        lc, n, p = self.chunk_size, self.state, self.head_dim
+        forward = self.groups * lc * n + self.heads * lc * p + 4 * self.heads * p * n
+        return 3.0 * forward
+
+
+def _uniform(bound: float):
+    return lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+class ShortConv(nnx.Module):
+    """Depthwise causal conv + SiLU over channels of shape `channels` (e.g. heads x head_dim)."""
+
+    def __init__(self, channels: tuple[int, ...], axes: tuple[str, ...], kernel_size: int, *, rngs: nnx.Rngs,
+                 use_bias: bool):
+        init = _uniform(1.0 / math.sqrt(kernel_size))  # PyTorch's conv default (fan-in = kernel size)
+        self.kernel = param(rngs, init, tuple(channels) + (kernel_size,), tuple(axes) + ("conv_kernel",))
+        self.bias = param(rngs, init, tuple(channels), tuple(axes)) if use_bias else None
+
+    def __call__(self, x, segment_ids, kernels: str):
+        b, l = x.shape[:2]
+        flat = x.reshape(b, l, -1)
+        width = flat.shape[-1]
+        bias = None if self.bias is None else self.bias[...].reshape(width)
+        y = causal_conv1d(flat, self.kernel[...].reshape(width, -1), bias, activation="silu",
+                          seq_idx=segment_ids, impl=kernels)
+        return y.reshape(x.shape)
+
+
+def _dt_bias_init(cfg: SSMConfig):
+    """softplus^-1 of dt drawn log-uniform in dt_init_range (floored), so softplus(dt_bias)
+    starts in that range."""
+    lo, hi = cfg.dt_init_range
+
+    def init(key, shape, dtype):
+        u = jax.random.uniform(key, shape, jnp.float32)
+        dt = jnp.maximum(jnp.exp(u * (math.log(hi) - math.log(lo)) + math.log(lo)), cfg.dt_init_floor)
+        return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+    return init
+
+
+def _a_log_init(key, shape, dtype):
+    return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
+
+
+class Mamba2Mixer(nnx.Module):
+    """(x[b, l, embed], segment_ids[b, l]) -> [b, l, embed]."""
+
+    def __init__(self, embed: int, cfg: SSMConfig, *, rngs: nnx.Rngs, norm_eps: float = 1e-5,
+                 init_std: float = 0.02, dtype=jnp.float32, kernels: str = "xla"):
+        self.cfg, self.kernels = cfg, kernels
+        h, p, g, n = cfg.heads, cfg.head_dim, cfg.groups, cfg.state
+        kw = dict(rngs=rngs, use_bias=cfg.proj_bias, init_std=init_std, dtype=dtype)
+        heads_out = dict(in_axes=("embed",), out_axes=("ssm_heads", "ssm_head_dim"), **kw)
+        groups_out = dict(in_axes=("embed",), out_axes=("ssm_groups", "ssm_state"), **kw)
+        self.in_z = Dense((embed,), (h, p), **heads_out)
+        self.in_x = Dense((embed,), (h, p), **heads_out)
+        self.in_b = Dense((embed,), (g, n), **groups_out)
+        self.in_c = Dense((embed,), (g, n), **groups_out)
+        self.in_dt = Dense((embed,), (h,), in_axes=("embed",), out_axes=("ssm_heads",), **kw)
+        conv = dict(rngs=rngs, use_bias=cfg.conv_bias)
+        self.conv_x = ShortConv((h, p), ("ssm_heads", "ssm_head_dim"), cfg.conv_kernel, **conv)
+        self.conv_b = ShortConv((g, n), ("ssm_groups", "ssm_state"), cfg.conv_kernel, **conv)
+        self.conv_c = ShortConv((g, n), ("ssm_groups", "ssm_state"), cfg.conv_kernel, **conv)
+        per_head = {LOGICAL_AXES: ("ssm_heads",)}
+        self.dt_bias = nnx.Param(_dt_bias_init(cfg)(rngs.params(), (h,), jnp.float32), **per_head)
+        self.A_log = nnx.Param(_a_log_init(rngs.params(), (h,), jnp.float32), **per_head)
+        self.D = nnx.Param(jnp.ones((h,), jnp.float32), **per_head)
+        self.norm = GatedGroupRMSNorm(h, p, g, rngs=rngs, eps=norm_eps)
+        self.out = Dense((h, p), (embed,), in_axes=("ssm_heads", "ssm_head_dim"), out_axes=("embed",), **kw)
+
+    def __call__(self, x, segment_ids):
+        k = self.kernels
+        z = constrain(self.in_z(x), PER_HEAD)
+        xs = constrain(self.conv_x(constrain(self.in_x(x), PER_HEAD), segment_ids, k), PER_HEAD)
+        b = constrain(self.conv_b(constrain(self.in_b(x), PER_GROUP), segment_ids, k), PER_GROUP)
+        c = constrain(self.conv_c(constrain(self.in_c(x), PER_GROUP), segment_ids, k), PER_GROUP)
+        dt = jax.nn.softplus(self.in_dt(x).astype(jnp.float32) + self.dt_bias[...])
+        lo, hi = self.cfg.time_step_limit
+        dt = constrain(jnp.clip(dt, lo, hi), ("batch", "length", "ssm_heads"))
+        y = constrain(self._scan(xs, dt, b, c, segment_ids), PER_HEAD)
+        return self.out(self.norm(y, z))
+
+    def _scan(self, x, dt, b, c, segment_ids):
+        """The SSD scan (the Pallas kernel on GPU); states restart where segment_ids change."""
+        y, _ = ssd_scan(x, dt, -jnp.exp(self.A_log[...]), b, c, chunk_size=self.cfg.chunk_size, D=self.D[...],
+                        seq_idx=segment_ids, impl=self.kernels)
+        return y

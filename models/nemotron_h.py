@@ -1,0 +1,162 @@
+"""The Nemotron-H hybrid family (Nemotron-3-Nano is its reference shape): a per-layer pattern of
+pre-norm blocks of four kinds (HF `layers_block_type`):
+
+  mamba      Mamba-2 mixer (models/layers/mamba2.py)
+  attention  grouped-query attention without rotary embedding (position comes from the Mamba layers)
+  mlp        non-gated MLP, squared ReLU
+  moe        sigmoid router with a score-correction bias, non-gated squared-ReLU experts, one shared
+             expert of its own width, an optional latent projection around the routed experts
+
+All layers sit in one PatternStack (`stacks/blocks/<kind>/layers/...`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+from flax import nnx
+
+from models.causal_lm import CausalLM, add_residual
+from models.dtypes import dtype_from_name
+from models.layers.attention import GroupedQueryAttention
+from models.layers.mamba2 import SSMConfig
+from models.layers.mlp import PlainMLP
+from models.layers.moe import MoEBlock
+from models.layers.norm import RMSNorm
+from models.layers.pattern_stack import PatternStack
+from models.layers.router import RouterConfig
+from models.mamba2 import Mamba2Block
+
+KINDS = ("mamba", "attention", "mlp", "moe")
+
+
+@dataclasses.dataclass(frozen=True)
+class NemotronHConfig:
+    vocab_size: int = 512
+    embed: int = 64
+    pattern: tuple = ("mamba", "moe", "attention", "mlp")  # one kind per layer, in order
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    mlp: int = 128  # width of the `mlp` layers (HF intermediate_size)
+    mlp_activation: str = "relu2"  # MLPs, routed and shared experts (HF mlp_hidden_act)
+    mlp_bias: bool = False  # MLPs, shared expert and latent projections (HF mlp_bias)
+    ssm: SSMConfig = SSMConfig(heads=8, head_dim=16, state=16, groups=2, chunk_size=16)
+    expert_mlp: int = 32  # each routed expert's width (HF moe_intermediate_size)
+    shared_expert_mlp: int = 64  # the shared expert's width; 0: none (HF moe_shared_expert_intermediate_size)
+    moe_latent: int | None = None  # routed experts work in this latent width (HF moe_latent_size)
+    router: RouterConfig = RouterConfig(num_experts=8, top_k=2, score_fn="sigmoid", correction_bias=True,
+                                        norm_topk_prob=True)
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    dtype: str = "float32"
+    remat: str = "none"
+    kernels: str = "xla"  # SSD scan, causal conv, MoE routing, grouped matmul: auto | pallas | xla
+
+    def count(self, kind: str) -> int:
+        return sum(1 for k in self.pattern if k == kind)
+
+    def validate(self, mesh_sizes: Mapping[str, int]) -> None:
+        tensor = mesh_sizes.get("tensor", 1)
+        unknown = sorted(set(self.pattern) - set(KINDS))
+        if not self.pattern or unknown:
+            raise ValueError(f"NemotronHConfig.pattern must list layer kinds from {KINDS}, got unknown {unknown}"
+                             if unknown else "NemotronHConfig.pattern is empty")
+        for name in ("vocab_size", "embed", "heads", "kv_heads", "head_dim", "mlp", "expert_mlp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"NemotronHConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.count("attention"):
+            for name in ("heads", "kv_heads"):
+                if getattr(self, name) % tensor:
+                    raise ValueError(f"NemotronHConfig.{name}={getattr(self, name)} is not divisible by the "
+                                     f"tensor axis size {tensor}")
+            if self.heads % self.kv_heads:
+                raise ValueError(f"NemotronHConfig.heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
+        if self.count("mlp") and self.mlp % tensor:
+            raise ValueError(f"NemotronHConfig.mlp={self.mlp} is not divisible by the tensor axis size {tensor}")
+        if self.count("moe") and self.shared_expert_mlp % tensor:
+            raise ValueError(f"NemotronHConfig.shared_expert_mlp={self.shared_expert_mlp} is not divisible by "
+                             f"the tensor axis size {tensor}")
+        if self.count("mamba"):
+            self.ssm.validate(tensor, "NemotronHConfig")
+        self.router.validate()
+
+    def build(self, rngs: nnx.Rngs) -> CausalLM:
+        dtype = dtype_from_name(self.dtype)
+        kw = dict(init_std=self.init_std, dtype=dtype)
+        makers = {
+            "mamba": lambda r: Mamba2Block(self.embed, self.ssm, norm_eps=self.norm_eps, rngs=r,
+                                           kernels=self.kernels, **kw),
+            "attention": lambda r: AttentionLayer(self, rngs=r),
+            "mlp": lambda r: MLPLayer(self, rngs=r),
+            "moe": lambda r: MoELayer(self, rngs=r),
+        }
+        blocks = PatternStack(self.pattern, makers, rngs=rngs, remat=self.remat)
+        return CausalLM(vocab=self.vocab_size, embed=self.embed, stacks={"blocks": blocks}, norm_eps=self.norm_eps,
+                        tie_embeddings=self.tie_embeddings, rngs=rngs, **kw)
+
+    # -- sizes -------------------------------------------------------------------------------
+    def _layer_params(self, kind: str, active_only: bool) -> int:
+        d = self.embed
+        mlp_bias = lambda width: (width + d) if self.mlp_bias else 0
+        if kind == "mamba":
+            return self.ssm.param_count(d)
+        if kind == "attention":
+            return d * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        if kind == "mlp":
+            return 2 * d * self.mlp + mlp_bias(self.mlp)
+        e = self.router.num_experts
+        inner = self.moe_latent or d
+        experts = (self.router.top_k if active_only else e) * 2 * inner * self.expert_mlp
+        router = d * e + (e if self.router.correction_bias else 0)
+        shared = 2 * d * self.shared_expert_mlp + mlp_bias(self.shared_expert_mlp) if self.shared_expert_mlp else 0
+        latent = 2 * d * self.moe_latent + mlp_bias(self.moe_latent) if self.moe_latent else 0
+        return router + experts + shared + latent
+
+    def param_count(self, include_embeddings: bool = True, active_only: bool = False) -> int:
+        layers = sum(self._layer_params(kind, active_only) + self.embed for kind in self.pattern)
+        emb = self.vocab_size * self.embed * (1 if self.tie_embeddings else 2)
+        return layers + self.embed + (emb if include_embeddings else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6 x active matmul parameters (+ LM head), causal attention in the attention layers, and
+        the SSD scan in the Mamba layers (SSMConfig.scan_flops_per_token)."""
+        active = self.param_count(include_embeddings=False, active_only=True) + self.vocab_size * self.embed
+        attention = 6 * self.count("attention") * self.heads * self.head_dim * seq_len
+        return 6.0 * active + attention + self.count("mamba") * self.ssm.scan_flops_per_token()
+
+
+class AttentionLayer(nnx.Module):
+    def __init__(self, cfg: NemotronHConfig, *, rngs: nnx.Rngs):
+        self.norm = RMSNorm(cfg.embed, rngs=rngs, eps=cfg.norm_eps)
+        self.attn = GroupedQueryAttention(cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim, inv_freq=None, rngs=rngs,
+                                          init_std=cfg.init_std, dtype=dtype_from_name(cfg.dtype))
+
+    def __call__(self, x, positions, segment_ids):
+        return add_residual(x, self.attn(self.norm(x), positions, segment_ids)), {}
+
+
+class MLPLayer(nnx.Module):
+    def __init__(self, cfg: NemotronHConfig, *, rngs: nnx.Rngs):
+        self.norm = RMSNorm(cfg.embed, rngs=rngs, eps=cfg.norm_eps)
+        self.mlp = PlainMLP(cfg.embed, cfg.mlp, rngs=rngs, activation=cfg.mlp_activation, use_bias=cfg.mlp_bias,
+                            init_std=cfg.init_std, dtype=dtype_from_name(cfg.dtype))
+
+    def __call__(self, x, positions, segment_ids):
+        return add_residual(x, self.mlp(self.norm(x))), {}
+
+
+class MoELayer(nnx.Module):
+    def __init__(self, cfg: NemotronHConfig, *, rngs: nnx.Rngs):
+        kw = dict(rngs=rngs, init_std=cfg.init_std, dtype=dtype_from_name(cfg.dtype))
+        self.norm = RMSNorm(cfg.embed, rngs=rngs, eps=cfg.norm_eps)
+        shared = PlainMLP(cfg.embed, cfg.shared_expert_mlp, activation=cfg.mlp_activation, use_bias=cfg.mlp_bias,
+                          **kw) if cfg.shared_expert_mlp else None
+        self.moe = MoEBlock(cfg.embed, router=cfg.router, expert_hidden=cfg.expert_mlp, gated=False,
+                            activation=cfg.mlp_activation, shared=shared, latent_dim=cfg.moe_latent,
+                            latent_bias=cfg.mlp_bias, kernels=cfg.kernels, **kw)
+
+    def __call__(self, x, positions, segment_ids):
+        y, stats = self.moe(self.norm(x))
+        return add_residual(x, y), {"moe": stats}
