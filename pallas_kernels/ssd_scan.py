@@ -116,7 +116,8 @@ def ssd_scan_reference(x, dt, A, B, C, *, chunk_size, D=None, initial_states=Non
     states = jnp.einsum("bcjgk,bcjgkp,bcjgn->bcgkpn", w, xc, bc)
     chunk_decay = jnp.exp(last) * carry
     if initial_states is None:
-        init = jnp.zeros((b, g, hpg, p, n), _F32)
+        # zeros_like (not zeros): inside shard_map the carry must vary over the mesh like `states`.
+        init = jnp.zeros_like(states[:, 0])
     else:
         init = initial_states.astype(_F32).reshape(b, g, hpg, p, n)
 

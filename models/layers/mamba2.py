@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshes.per_shard import per_shard
 from meshes.rules import constrain
 from models.layers.dense import Dense
 from models.layers.gated_norm import GatedGroupRMSNorm
@@ -104,8 +105,13 @@ class ShortConv(nnx.Module):
         flat = x.reshape(b, l, -1)
         width = flat.shape[-1]
         bias = None if self.bias is None else self.bias[...].reshape(width)
-        y = causal_conv1d(flat, self.kernel[...].reshape(width, -1), bias, activation="silu",
-                          seq_idx=segment_ids, impl=kernels)
+        # Channels are (heads or groups) x inner dim, flattened head-major, so splitting the flat
+        # width like the heads keeps each device's channels whole.
+        channel = self.kernel.get_metadata()[LOGICAL_AXES][0]
+        conv = lambda v, w, bb, seg: causal_conv1d(v, w, bb, activation="silu", seq_idx=seg, impl=kernels)
+        y = per_shard(conv, (flat, self.kernel[...].reshape(width, -1), bias, segment_ids),
+                      (("batch", "length", channel), (channel, None), (channel,), ("batch", "length")),
+                      ("batch", "length", channel))
         return y.reshape(x.shape)
 
 
@@ -165,6 +171,10 @@ class Mamba2Mixer(nnx.Module):
 
     def _scan(self, x, dt, b, c, segment_ids):
         """The SSD scan (the Pallas kernel on GPU); states restart where segment_ids change."""
-        y, _ = ssd_scan(x, dt, -jnp.exp(self.A_log[...]), b, c, chunk_size=self.cfg.chunk_size, D=self.D[...],
-                        seq_idx=segment_ids, impl=self.kernels)
-        return y
+        def scan(x, dt, a, b, c, d, seg):
+            return ssd_scan(x, dt, a, b, c, chunk_size=self.cfg.chunk_size, D=d, seq_idx=seg, impl=self.kernels)[0]
+
+        heads, groups = ("batch", "length", "ssm_heads", None), ("batch", "length", "ssm_groups", None)
+        return per_shard(scan, (x, dt, -jnp.exp(self.A_log[...]), b, c, self.D[...], segment_ids),
+                         (heads, ("batch", "length", "ssm_heads"), ("ssm_heads",), groups, groups, ("ssm_heads",),
+                          ("batch", "length")), heads)
