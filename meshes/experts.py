@@ -94,12 +94,14 @@ def _count(ids, n: int):
 
 
 def _exchange_compute_combine(x, expert_ids, weights, expert_weights, ffn, layout: ExpertLayout | None,
-                              num_experts: int, exchange):
-    """x [t, d]; expert_ids [t, k] (num_experts = dropped); weights [t, k] -> [t, d]."""
+                              num_experts: int, exchange, order=None):
+    """x [t, d]; expert_ids [t, k] (num_experts = dropped); weights [t, k] -> [t, d]. `order`:
+    the token-slots (t * k + j) stably sorted by expert, if the router already computed it."""
     t, k = expert_ids.shape
     slots = t * k
     flat_ids = expert_ids.reshape(slots)
-    order = jnp.argsort(flat_ids, stable=True)
+    if order is None:
+        order = jnp.argsort(flat_ids, stable=True)
     sorted_ids = flat_ids[order]
     tokens = x[order // k]
     ep = layout.ep_size if layout else 1
@@ -127,7 +129,7 @@ def _device_moe(x, logits, bias, expert_weights, *, route: Callable, ffn: Callab
         share = t // edp
         start = jax.lax.axis_index(layout.edp_axes) * share
         x2, lg = jax.lax.dynamic_slice_in_dim(x2, start, share), jax.lax.dynamic_slice_in_dim(lg, start, share)
-    expert_ids, weights, scores = route(lg, bias)
+    expert_ids, weights, scores, order = route(lg, bias)
     stats = {"expert_load": _count(expert_ids.reshape(-1), num_experts).astype(jnp.float32),
              "score_sum": scores.sum(0),
              "z_sum": jnp.square(jax.nn.logsumexp(lg, axis=-1)).sum(),
@@ -137,7 +139,8 @@ def _device_moe(x, logits, bias, expert_weights, *, route: Callable, ffn: Callab
     if capacity_factor is not None:
         expert_ids, dropped = apply_capacity(expert_ids, num_experts, capacity_factor)
         stats["dropped"] = dropped.astype(jnp.float32)
-    y = _exchange_compute_combine(x2, expert_ids, weights, expert_weights, ffn, layout, num_experts, exchange)
+        order = None  # drops changed the ids: sort again
+    y = _exchange_compute_combine(x2, expert_ids, weights, expert_weights, ffn, layout, num_experts, exchange, order)
     if layout is not None:
         if layout.etp_axes:
             y = jax.lax.psum(y, layout.etp_axes)
@@ -164,7 +167,8 @@ def moe_forward(x, logits, bias, expert_weights: dict, weight_axes: dict, *, rou
                 exchange: str = "auto"):
     """x [b, l, d], router logits [b, l, e] -> (y [b, l, d], summed routing statistics).
 
-    `route(logits [t, e], bias) -> (expert_ids [t, k], weights [t, k], scores [t, e])` and
+    `route(logits [t, e], bias) -> (expert_ids [t, k], weights [t, k], scores [t, e], slots
+    sorted by expert [t * k] or None)` and
     `ffn(sorted_tokens [n, d], group_sizes [e_local], weights) -> [n, d]` come from the model.
     Without a mesh (or outside `use_rules`) everything runs on one device. `exchange`:
     auto | padded | ragged (meshes/expert_exchange.py).

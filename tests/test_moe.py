@@ -70,7 +70,7 @@ def test_dispatch_matches_naive_loop(kind, gated):
     x = jnp.asarray(rng.normal(size=(2, 8, D)), jnp.float32)
     logits = jnp.asarray(logits_case(kind, rng, (2, 8, E)), jnp.float32)
     y, stats = run(x, logits, module, cfg)
-    ids, w, _ = make_route_fn(cfg, "xla")(logits.reshape(-1, E), None)
+    ids, w, _, _ = make_route_fn(cfg, "xla")(logits.reshape(-1, E), None)
     expected = naive_moe(x.reshape(-1, D), ids, w, module.weights(), gated)
     np.testing.assert_allclose(np.asarray(y).reshape(-1, D), expected, rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(stats["expert_load"]), np.bincount(np.asarray(ids).ravel(), minlength=E))

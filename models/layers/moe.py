@@ -24,7 +24,7 @@ def make_route_fn(cfg: RouterConfig, kernels: str):
                      norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
                      correction_bias=jax.lax.stop_gradient(bias) if cfg.correction_bias else None, impl=kernels)
         scores = jax.nn.softmax(logits, -1) if cfg.score_fn == "softmax" else jax.nn.sigmoid(logits)
-        return plan.expert_ids, plan.weights, scores
+        return plan.expert_ids, plan.weights, scores, plan.sort_order
     return route_fn
 
 

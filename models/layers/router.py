@@ -2,7 +2,7 @@
 
 Selection itself (softmax or sigmoid scores, group-limited top-k, weight normalization and
 scaling, the aux-loss-free correction bias) lives in `pallas_kernels.moe_routing.route`, whose
-XLA path is the reference and whose Pallas path is the GPU kernel.
+XLA path is the reference and whose Pallas path is the GPU kernel; `moe.make_route_fn` calls it.
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.layers.params import LOGICAL_AXES, normal, param
-from pallas_kernels.moe_routing import route
 
 CORRECTION_BIAS = "correction_bias"  # updated by the train step, never by the optimizer
 
@@ -58,16 +57,6 @@ class Router(nnx.Module):
     def logits(self, x):
         """Router logits in float32 (selection is sensitive to rounding)."""
         return jnp.einsum("...d,de->...e", x.astype(jnp.float32), self.kernel[...].astype(jnp.float32))
-
-    def select(self, logits, kernels: str = "xla"):
-        """[tokens, experts] logits -> (expert_ids [t, k], weights [t, k], scores [t, e])."""
-        c = self.cfg
-        bias = getattr(self, CORRECTION_BIAS)
-        plan = route(logits, top_k=c.top_k, score_fn=c.score_fn, n_group=c.n_group, topk_group=c.topk_group,
-                     norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor,
-                     correction_bias=None if bias is None else jax.lax.stop_gradient(bias[...]), impl=kernels)
-        scores = jax.nn.softmax(logits, -1) if c.score_fn == "softmax" else jax.nn.sigmoid(logits)
-        return plan.expert_ids, plan.weights, scores
 
 
 def updated_correction_bias(bias, expert_load, rate: float):
