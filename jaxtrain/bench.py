@@ -2,7 +2,9 @@
 
 For each layout (default: the config's own), compiles the train step on abstract arrays and
 prints XLA's per-device memory (arguments, outputs, temporaries) and collective counts; unless
---compile_only, also runs it and prints step time, tokens/s and MFU. Layouts run side by side
+--compile_only, also runs it and prints step time, tokens/s and MFU. A layout may also set the
+pipeline: `pipeline=4,schedule=interleaved2,microbatches=8,split=7/7/7/6` (the pipeline
+bubble fraction is printed with it). Layouts run side by side
 in one process, so their ratios are comparable even on a noisy machine. Compile-only sizing
 allocates nothing, so full-size models can be sized on CPU.
 """
@@ -20,17 +22,44 @@ from jaxtrain.launch import add_common_flags, fail, start
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
-def parse_layout(spec: str) -> tuple[dict, str | None]:
-    mesh, rules = {}, None
+def parse_layout(spec: str) -> tuple[dict, str | None, dict]:
+    """(mesh axis sizes, rule table or None, other settings: microbatches, schedule, split)."""
+    mesh, rules, other = {}, None, {}
     for part in filter(None, spec.split(",")):
         key, _, value = part.partition("=")
         if key == "rules":
             rules = value
-        elif key in ("pipeline", "data", "context", "expert", "tensor"):
-            mesh[key] = int(value)
+        elif key in ("pipeline", "data", "context", "expert", "tensor", "microbatches"):
+            (mesh if key != "microbatches" else other)[key] = int(value)
+        elif key == "schedule" and (value == "gpipe" or value.startswith("interleaved")):
+            other[key] = value
+        elif key == "split":
+            other[key] = tuple(int(n) for n in value.split("/"))
         else:
-            raise ValueError(f"layout {spec!r}: unknown key {key!r} (mesh axes or rules)")
-    return mesh, rules
+            raise ValueError(f"layout {spec!r}: unknown key or value {part!r} (mesh axes, rules, microbatches, "
+                             f"schedule=gpipe|interleavedV, split=a/b/...)")
+    return mesh, rules, other
+
+
+def apply_layout(base, mesh_sizes: dict, rules: str | None, other: dict):
+    """The experiment `base` with a layout's mesh, rules, microbatches and pipeline settings."""
+    import dataclasses
+
+    from jaxtrain.pipeline_config import PipelineConfig
+    from meshes.pipeline_schedules import GPipe, Interleaved
+
+    full = {a: 1 for a in ("pipeline", "data", "context", "expert", "tensor")} if mesh_sizes else {}
+    train = dataclasses.replace(base.train, rules=rules or base.train.rules,
+                                microbatches=other.get("microbatches", base.train.microbatches))
+    pipeline = base.pipeline or PipelineConfig()
+    if "schedule" in other:
+        v = other["schedule"][len("interleaved"):]
+        pipeline = dataclasses.replace(pipeline, schedule=GPipe() if other["schedule"] == "gpipe" else
+                                       Interleaved(int(v) if v else 2))
+    if "split" in other:
+        pipeline = dataclasses.replace(pipeline, stages_layers=other["split"])
+    return dataclasses.replace(base, mesh=dataclasses.replace(base.mesh, **{**full, **mesh_sizes}), train=train,
+                               pipeline=pipeline)
 
 
 def bench_layout(exp, *, steps: int, compile_only: bool) -> dict:
@@ -41,8 +70,7 @@ def bench_layout(exp, *, steps: int, compile_only: bool) -> dict:
     from jaxtrain.flops import peak_flops
     from jaxtrain.hlo_stats import collective_stats
     from jaxtrain.optim import make_optimizer
-    from jaxtrain.state import init_state, state_shardings
-    from jaxtrain.step import batch_shardings, make_train_step
+    from jaxtrain.train_setup import build_train_setup
     from jaxtrain.trainer import check_layout
     from meshes.mesh import build_mesh
     from meshes.rules import get_rule_set
@@ -52,10 +80,8 @@ def bench_layout(exp, *, steps: int, compile_only: bool) -> dict:
     check_layout(exp, mesh)
     rules = get_rule_set(t.rules)
     tx, schedule = make_optimizer(exp.optimizer, t.steps)
-    graphdef, abstract, shardings = state_shardings(exp.model, tx, mesh, rules)
-    bsh = batch_shardings(mesh, rules, t.global_batch, t.seq_len)
-    step = make_train_step(graphdef, tx, schedule, mesh=mesh, rules=rules, state_shardings=shardings,
-                           batch_sharding=bsh, microbatches=t.microbatches, loss_chunk=t.loss_chunk, z_loss=t.z_loss)
+    setup = build_train_setup(exp.model, t, tx, schedule, mesh, rules, exp.pipeline)
+    abstract, bsh, step = setup.state.abstract, setup.batch_sharding, setup.train_step
     dtypes = {"loss_mask": jnp.float32}
     abstract_batch = {k: jax.ShapeDtypeStruct((t.global_batch, t.seq_len), dtypes.get(k, jnp.int32), sharding=s)
                       for k, s in bsh.items()}
@@ -67,9 +93,11 @@ def bench_layout(exp, *, steps: int, compile_only: bool) -> dict:
         for name in ("argument", "output", "temp", "generated_code"):
             out[f"{name}_gb"] = getattr(mem, f"{name}_size_in_bytes", 0) / 2**30
     out["collectives"] = collective_stats(compiled.as_text())
+    if hasattr(setup.gradients, "bubble"):
+        out["bubble"] = setup.gradients.bubble
     if compile_only:
         return out
-    state = init_state(exp.model, tx, shardings, t.seed)
+    state = setup.state.init(t.seed)
     rng = np.random.default_rng(0)
     host = {"inputs": rng.integers(0, exp.model.vocab_size, (t.global_batch, t.seq_len), dtype=np.int32),
             "segment_ids": np.ones((t.global_batch, t.seq_len), np.int32),
@@ -99,6 +127,8 @@ def format_row(name: str, r: dict) -> str:
     if "step_time_s" in r:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
         fields += [f"step {1e3 * r['step_time_s']:8.1f} ms", f"{r['tokens_per_sec']:9.0f} tok/s", f"MFU {mfu}"]
+    if "bubble" in r:
+        fields.append(f"bubble {r['bubble']:.3f}")
     fields += [f"args {r.get('argument_gb', 0):.3f} GB", f"out {r.get('output_gb', 0):.3f} GB",
                f"temp {r.get('temp_gb', 0):.3f} GB", f"compile {r['compile_s']:.1f}s"]
     return " | ".join(fields) + (f"\n{'':<34}   collectives {coll_text}" if coll_text else "")
@@ -118,11 +148,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         fail(str(e))
     if layouts and _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
-        needed = max(math.prod(m.values()) for _, m, _ in layouts)
+        needed = max(math.prod(m.values()) for _, m, _, _ in layouts)
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}={needed}".strip()
     start(args)
-
-    import dataclasses
 
     import jax
 
@@ -134,11 +162,9 @@ def main(argv=None) -> int:
         fail(str(e))
     print(f"# {jax.devices()[0].device_kind} x {jax.device_count()}, model {type(base.model).__name__}, "
           f"batch {base.train.global_batch} x {base.train.seq_len}", flush=True)
-    for spec, mesh_sizes, rules in layouts or [("config", {}, None)]:
-        full = {a: 1 for a in ("pipeline", "data", "context", "expert", "tensor")} if mesh_sizes else {}
-        exp = dataclasses.replace(base, mesh=dataclasses.replace(base.mesh, **{**full, **mesh_sizes}),
-                                  train=dataclasses.replace(base.train, rules=rules or base.train.rules))
+    for spec, mesh_sizes, rules, other in layouts or [("config", {}, None, {})]:
         try:
+            exp = apply_layout(base, mesh_sizes, rules, other)
             print(format_row(spec, bench_layout(exp, steps=args.steps, compile_only=args.compile_only)), flush=True)
         except ValueError as e:
             print(f"{spec:<34} | error: {e}", flush=True)

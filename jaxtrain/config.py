@@ -9,6 +9,7 @@ import gin
 from jaxtrain.data import DataConfig
 from jaxtrain.mesh_configurable import GinMeshConfig
 from jaxtrain.optim import OptimizerConfig
+from jaxtrain.pipeline_config import PipelineConfig
 from meshes.mesh_config import MeshConfig
 from models.layers.rope import Llama3Scaling, LinearScaling, NoScaling, YarnScaling
 from models.deepseek import DeepSeekConfig
@@ -65,6 +66,7 @@ class Experiment:
     train: TrainConfig | None = None
     data: DataConfig | None = None
     optimizer: OptimizerConfig | None = None
+    pipeline: PipelineConfig | None = None  # used when MeshConfig.pipeline > 1
 
 
 def load_experiment() -> Experiment:
@@ -78,6 +80,7 @@ def load_experiment() -> Experiment:
         train=exp.train or TrainConfig(),
         data=exp.data or GinDataConfig(),
         optimizer=exp.optimizer or GinOptimizerConfig(),
+        pipeline=exp.pipeline or PipelineConfig(),
     )
 
 

@@ -26,13 +26,17 @@ def _names_tree(abstract_state: nnx.State) -> dict:
     return {path: logical_axes(var) for path, var in nnx.to_flat_state(abstract_state)}
 
 
+def _shapes_tree(abstract_state: nnx.State) -> dict:
+    return {path: tuple(var.shape) for path, var in nnx.to_flat_state(abstract_state)}
+
+
 def param_shardings(abstract_state: nnx.State, mesh, table: Table) -> dict:
-    pure = abstract_state.to_pure_dict()
-    names = _names_tree(abstract_state)
-    return _map_with_path(lambda path, x: named_sharding(mesh, names[path], x.shape, table), pure)
+    return shardings_by_path(abstract_state.to_pure_dict(), _names_tree(abstract_state), _shapes_tree(abstract_state),
+                             mesh, table)
 
 
-def _map_with_path(fn, tree):
+def map_with_path(fn, tree):
+    """tree_map with each leaf's path as a tuple of plain keys (dict keys, attribute names, indices)."""
     return jax.tree_util.tree_map_with_path(lambda p, x: fn(_path_key(p), x), tree)
 
 
@@ -49,18 +53,27 @@ def _path_key(path) -> tuple:
 def optimizer_shardings(abstract_opt_state, abstract_state: nnx.State, mesh, table: Table):
     """Optimizer leaves that mirror a parameter (Adam moments) follow that parameter's logical
     names under the optimizer table; everything else (counts) is replicated."""
-    names = _names_tree(abstract_state)
-    shapes = {path: var.shape for path, var in nnx.to_flat_state(abstract_state)}
+    return shardings_by_path(abstract_opt_state, _names_tree(abstract_state), _shapes_tree(abstract_state), mesh, table)
+
+
+def shardings_by_path(tree, names: dict, shapes: dict, mesh, table: Table):
+    """Each leaf whose path ends with a parameter's path (`names`/`shapes` keys) and has that
+    parameter's shape is laid out by its logical names; every other leaf is replicated."""
     replicated = NamedSharding(mesh, PartitionSpec())
 
     def for_leaf(path, leaf):
         for start in range(len(path)):
             suffix = path[start:]
-            if suffix in names and shapes[suffix] == leaf.shape:
+            if suffix in names and shapes[suffix] == tuple(leaf.shape):
                 return named_sharding(mesh, names[suffix], leaf.shape, table)
         return replicated
 
-    return _map_with_path(for_leaf, abstract_opt_state)
+    return map_with_path(for_leaf, tree)
+
+
+def with_shardings(abstract, shardings):
+    """ShapeDtypeStructs carrying their shardings (what Orbax restores into)."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
 def state_shardings(model_cfg, tx, mesh, rules: RuleSet):
@@ -74,16 +87,17 @@ def state_shardings(model_cfg, tx, mesh, rules: RuleSet):
         "opt_state": optimizer_shardings(opt_abstract, abstract_state, mesh, rules.optimizer_table),
     }
     abstract = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params_abstract, "opt_state": opt_abstract}
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    return graphdef, abstract, shardings
+    return graphdef, with_shardings(abstract, shardings), shardings
 
 
-def init_state(model_cfg, tx, shardings, seed: int) -> TrainState:
+def init_state(model_cfg, tx, shardings, seed: int, regroup=None) -> TrainState:
     """Parameters and optimizer state born sharded: the init runs under jit with out_shardings,
-    so no device ever holds the whole model. Values do not depend on the layout."""
+    so no device ever holds the whole model. Values do not depend on the layout. `regroup`
+    turns the canonical parameters into the in-memory layout (pipeline stages) first."""
 
     def init(key):
         params = nnx.state(model_cfg.build(nnx.Rngs(params=key))).to_pure_dict()
+        params = regroup(params) if regroup is not None else params
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 
     return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))

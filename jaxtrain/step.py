@@ -75,7 +75,7 @@ def _find_stats(tree):
     return None
 
 
-def _split_microbatches(batch, microbatches: int):
+def split_microbatches(batch, microbatches: int):
     """[B, L] -> [m, B/m, L], microbatch i taking rows i, i+m, ... so that every data shard
     contributes to every microbatch and no rows move between devices."""
     def split(x):
@@ -85,32 +85,60 @@ def _split_microbatches(batch, microbatches: int):
     return jax.tree.map(split, batch)
 
 
-def make_train_step(graphdef, tx, schedule, *, mesh, rules: RuleSet, state_shardings, batch_sharding,
-                    microbatches: int, loss_chunk: int, z_loss: float):
-    def loss_fn(params, mb, total_tokens):
-        (nll, z, correct), aux = _forward_sums(graphdef, params, mb, loss_chunk=loss_chunk, z_loss=z_loss)
-        # MoE aux losses are means over each microbatch's tokens: average them over microbatches.
-        return (nll + z) / total_tokens + _aux_loss(aux) / microbatches, ((nll, z, correct), aux)
+class AccumulatedGradients:
+    """The whole batch's gradient with its microbatches run one after another and summed
+    (gradient accumulation); one microbatch runs the batch at once. The pipelined counterpart,
+    with the same interface, is jaxtrain/pipeline_step.py."""
 
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    def __init__(self, graphdef, *, microbatches: int, loss_chunk: int, z_loss: float):
+        self.graphdef, self.microbatches = graphdef, microbatches
+        self.loss_chunk, self.z_loss = loss_chunk, z_loss
+
+    def sums(self, params, batch):
+        """(nll, z, correct) token sums of the batch without gradients (evaluation)."""
+        return _forward_sums(self.graphdef, params, batch, loss_chunk=self.loss_chunk, z_loss=0.0)[0]
+
+    def _loss(self, params, mb, total_tokens):
+        (nll, z, correct), aux = _forward_sums(self.graphdef, params, mb, loss_chunk=self.loss_chunk,
+                                               z_loss=self.z_loss)
+        # MoE aux losses are means over each microbatch's tokens: average them over microbatches.
+        return (nll + z) / total_tokens + _aux_loss(aux) / self.microbatches, ((nll, z, correct), aux)
+
+    def __call__(self, params, batch, total_tokens):
+        """(grads, (nll, z, correct) sums, aux laid out like params' stacks)."""
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        if self.microbatches == 1:
+            (_, (sums, aux)), grads = grad_fn(params, batch, total_tokens)
+            return grads, sums, aux
+
+        # Every statistic is a sum over tokens (or a per-microbatch loss), so they add up.
+        def accumulate(carry, mb):
+            (_, out), grads = grad_fn(params, mb, total_tokens)
+            return jax.tree.map(jnp.add, carry, (grads, out)), None
+
+        microbatched = split_microbatches(batch, self.microbatches)
+        (_, out_shape), grads_shape = jax.eval_shape(
+            grad_fn, params, jax.tree.map(lambda x: x[0], microbatched), total_tokens)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grads_shape, out_shape))
+        (grads, (sums, aux)), _ = jax.lax.scan(accumulate, zeros, microbatched)
+        return grads, sums, aux
+
+    def metrics(self, aux) -> dict:
+        return moe_metrics(aux, self.microbatches)
+
+
+def make_train_step(graphdef, tx, schedule, *, mesh, rules: RuleSet, state_shardings, batch_sharding,
+                    microbatches: int = 1, loss_chunk: int = 1024, z_loss: float = 0.0, gradients=None):
+    """`gradients`: how the batch's gradient is computed (AccumulatedGradients from
+    microbatches/loss_chunk/z_loss when None, or pipeline_step.PipelinedGradients)."""
+    if gradients is None:
+        gradients = AccumulatedGradients(graphdef, microbatches=microbatches, loss_chunk=loss_chunk, z_loss=z_loss)
 
     def step(state, batch):
         with use_rules(mesh, rules):
             params = state["params"]
             total_tokens = jnp.maximum(batch["loss_mask"].sum(), 1.0)
-            if microbatches == 1:
-                (_, (sums, aux)), grads = grad_fn(params, batch, total_tokens)
-            else:
-                # Every statistic is a sum over tokens (or a per-microbatch loss), so they add up.
-                def accumulate(carry, mb):
-                    (_, out), grads = grad_fn(params, mb, total_tokens)
-                    return jax.tree.map(jnp.add, carry, (grads, out)), None
-
-                microbatched = _split_microbatches(batch, microbatches)
-                (_, out_shape), grads_shape = jax.eval_shape(
-                    grad_fn, params, jax.tree.map(lambda x: x[0], microbatched), total_tokens)
-                zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grads_shape, out_shape))
-                (grads, (sums, aux)), _ = jax.lax.scan(accumulate, zeros, microbatched)
+            grads, sums, aux = gradients(params, batch, total_tokens)
             updates, opt_state = tx.update(grads, state["opt_state"], params)
             new_params = optax.apply_updates(params, updates)
             if _find_stats(aux) is not None:  # MoE: post-step correction-bias updates
@@ -126,7 +154,7 @@ def make_train_step(graphdef, tx, schedule, *, mesh, rules: RuleSet, state_shard
             "param_norm": optax.global_norm(new_params),
             "learning_rate": schedule(state["step"]),
             "loss_tokens": total_tokens,
-            **moe_metrics(aux, microbatches),
+            **gradients.metrics(aux),
         }
         return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
 
@@ -135,11 +163,16 @@ def make_train_step(graphdef, tx, schedule, *, mesh, rules: RuleSet, state_shard
                    out_shardings=(state_shardings, replicated), donate_argnums=(0,))
 
 
-def make_eval_step(graphdef, *, mesh, rules: RuleSet, params_shardings, batch_sharding, loss_chunk: int):
-    """Sums (nll, tokens, correct) over a batch; callers divide after summing batches."""
+def make_eval_step(graphdef, *, mesh, rules: RuleSet, params_shardings, batch_sharding, loss_chunk: int,
+                   forward=None):
+    """Sums (nll, tokens, correct) over a batch; callers divide after summing batches.
+    `forward(params, batch) -> (nll, z, correct)`: the whole-batch forward by default."""
+    if forward is None:
+        forward = AccumulatedGradients(graphdef, microbatches=1, loss_chunk=loss_chunk, z_loss=0.0).sums
+
     def step(params, batch):
         with use_rules(mesh, rules):
-            (nll, _, correct), _ = _forward_sums(graphdef, params, batch, loss_chunk=loss_chunk, z_loss=0.0)
+            nll, _, correct = forward(params, batch)
         return {"nll": nll, "tokens": batch["loss_mask"].sum(), "correct": correct}
 
     return jax.jit(step, in_shardings=(params_shardings, batch_sharding),

@@ -19,8 +19,8 @@ from jaxtrain.data import make_eval_batches, make_train_iterator
 from jaxtrain.flops import peak_flops
 from jaxtrain.metrics import MetricsWriter, device_memory
 from jaxtrain.optim import make_optimizer
-from jaxtrain.state import count_params, init_state, state_shardings
-from jaxtrain.step import batch_shardings, make_eval_step, make_train_step
+from jaxtrain.pipeline_config import PipelineConfig
+from jaxtrain.train_setup import build_train_setup
 from meshes.mesh import build_mesh, describe
 from meshes.rules import DATA_PARALLEL_AXES, get_rule_set
 
@@ -28,9 +28,6 @@ from meshes.rules import DATA_PARALLEL_AXES, get_rule_set
 def check_layout(exp: Experiment, mesh) -> None:
     sizes = dict(mesh.shape)
     t = exp.train
-    if sizes["pipeline"] > 1:
-        raise ValueError(f"mesh pipeline={sizes['pipeline']}: pipeline parallelism is not available "
-                         f"yet; set MeshConfig.pipeline = 1")
     data_parallel = math.prod(sizes[a] for a in DATA_PARALLEL_AXES)
     per_microbatch = t.global_batch // t.microbatches
     if per_microbatch % data_parallel:
@@ -40,6 +37,10 @@ def check_layout(exp: Experiment, mesh) -> None:
     if t.seq_len % sizes["context"]:
         raise ValueError(f"seq_len={t.seq_len} is not divisible by the context axis size {sizes['context']}")
     exp.model.validate(sizes)
+    if sizes["pipeline"] > 1:  # schedule vs microbatches, and the layer split (sums, no empty stage)
+        pipeline = exp.pipeline or PipelineConfig()
+        pipeline.validate(sizes["pipeline"], t.microbatches)
+        pipeline.plan(exp.model, sizes["pipeline"])
 
 
 class Trainer:
@@ -57,16 +58,12 @@ class Trainer:
                                            max_batches=t.eval_batches, process_index=jax.process_index(),
                                            process_count=jax.process_count())
         self.tx, self.schedule = make_optimizer(exp.optimizer, t.steps)
-        self.graphdef, self.abstract_state, self.shardings = state_shardings(exp.model, self.tx, self.mesh, self.rules)
-        self.batch_sharding = batch_shardings(self.mesh, self.rules, t.global_batch, t.seq_len)
-        self.train_step = make_train_step(
-            self.graphdef, self.tx, self.schedule, mesh=self.mesh, rules=self.rules,
-            state_shardings=self.shardings, batch_sharding=self.batch_sharding,
-            microbatches=t.microbatches, loss_chunk=t.loss_chunk, z_loss=t.z_loss)
-        self.eval_step = make_eval_step(self.graphdef, mesh=self.mesh, rules=self.rules,
-                                        params_shardings=self.shardings["params"],
-                                        batch_sharding=self.batch_sharding, loss_chunk=t.loss_chunk)
-        self.num_params = count_params(self.abstract_state["params"])
+        setup = build_train_setup(exp.model, t, self.tx, self.schedule, self.mesh, self.rules, exp.pipeline)
+        self.state_layout = setup.state  # canonical, or pipeline stages (converted at save/restore)
+        self.shardings, self.batch_sharding = setup.state.shardings, setup.batch_sharding
+        self.train_step, self.eval_step = setup.train_step, setup.eval_step
+        self.num_params = setup.state.num_params
+        self.pipeline_summary = setup.summary
         self.flops_per_token = exp.model.flops_per_token(t.seq_len)
         self.peak = peak_flops(jax.devices()[0].device_kind, t.peak_flops_per_device)
 
@@ -79,8 +76,8 @@ class Trainer:
     def restore_or_init(self, checkpointer: Checkpointer):
         step = checkpointer.latest_step()
         if step is None:
-            return init_state(self.exp.model, self.tx, self.shardings, self.exp.train.seed)
-        state = checkpointer.restore(step, self.abstract_state, self.train_iter)
+            return self.state_layout.init(self.exp.train.seed)
+        state = self.state_layout.from_disk(checkpointer.restore(step, self.state_layout.disk_abstract, self.train_iter))
         if "opt_state" not in state:  # a converted checkpoint: parameters only
             state["opt_state"] = jax.jit(self.tx.init, out_shardings=self.shardings["opt_state"])(state["params"])
         state["step"] = jax.device_put(jnp.asarray(step, jnp.int32), self.shardings["step"])
@@ -111,6 +108,8 @@ class Trainer:
         if is_main:
             print(f"jaxtrain: {self.num_params / 1e6:.2f}M params, mesh {describe(self.mesh)}, rules "
                   f"{self.rules.name}, steps {start}->{end}", flush=True)
+            if self.pipeline_summary:
+                print(f"jaxtrain: {self.pipeline_summary}", flush=True)
         history, pending = [], None
         tokens_per_step = t.global_batch * t.seq_len
         interval = {"t0": time.perf_counter()}
@@ -124,18 +123,22 @@ class Trainer:
                 if t.eval_every and done % t.eval_every == 0 and done != end:
                     writer.write(done, self.evaluate(state["params"]), kind="eval")
                 if t.checkpoint_every and done % t.checkpoint_every == 0 and done != end:
-                    checkpointer.save(done, state, self.train_iter)
+                    checkpointer.save(done, self.state_layout.to_disk(state), self.train_iter)
             if pending is not None:
                 history.append(self._log(writer, *pending, interval, tokens_per_step))
             if end > start:
-                checkpointer.save(end, state, self.train_iter)
+                checkpointer.save(end, self.state_layout.to_disk(state), self.train_iter)
             if end == t.steps:
                 writer.write(end, self.evaluate(state["params"]), kind="eval")
         finally:
             checkpointer.close()
             writer.close()
-        self.final_state = state
+        self.final_state = state  # in memory layout; `canonical(final_state)` as saved
         return history
+
+    def canonical(self, state: dict) -> dict:
+        """The state as checkpoints hold it (pipeline stages regrouped into layer stacks)."""
+        return self.state_layout.to_disk(state)
 
     def _log(self, writer, step, metrics, interval, tokens_per_step) -> dict:
         """One metrics row per step; the time is measured between successive fetches, so the

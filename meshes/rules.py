@@ -55,6 +55,7 @@ def spec_for(names: Sequence[str | None], shape: Sequence[int], table: Table, me
 # ---- the tables ---------------------------------------------------------------------------
 
 _ACTIVATIONS: Table = {
+    "stages": ("pipeline",),  # pipeline stages (meshes/pipeline.py)
     "batch": DATA_PARALLEL_AXES,
     "length": ("context",),
     "residual_length": ("context",),  # the residual stream between blocks
@@ -66,6 +67,7 @@ _ACTIVATIONS: Table = {
     "ssm_groups": ("tensor",),  # and their B/C groups with them
 }
 _TENSOR_PARALLEL_PARAMS: Table = {
+    "stages": ("pipeline",),  # each stage's layers live on its pipeline group only
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "mlp": ("tensor",),

@@ -1,0 +1,86 @@
+"""The batch's loss and gradient with its microbatches flowing through pipeline stages.
+
+Same interface as `step.AccumulatedGradients`, and the same numbers: the microbatches are the
+same rows, each MoE layer's statistics and aux loss are per microbatch, and the loss is
+summed over all tokens, so a pipelined step equals an unpipelined one with as many
+microbatches. Parameters arrive in the stage layout (jaxtrain/pipeline_layout.py).
+
+embed (replicated over `pipeline`) -> stages (meshes/pipeline.py) -> final norm, head and
+cross-entropy per microbatch, the microbatches split over `pipeline` when it divides them, so
+no pipeline group computes the head for the whole batch.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtrain.pipeline_layout import PipelineLayout
+from jaxtrain.step import _aux_loss, moe_metrics, split_microbatches
+from meshes.pipeline import run_pipeline
+from meshes.rules import constrain
+from models.causal_lm import RESIDUAL
+from models.loss import chunked_cross_entropy
+from models.stage_program import StageProgram
+
+
+class PipelinedGradients:
+    def __init__(self, graphdef, layout: PipelineLayout, schedule, *, microbatches: int, loss_chunk: int,
+                 z_loss: float, remat: str = "none"):
+        self.graphdef, self.layout, self.schedule = graphdef, layout, schedule
+        self.microbatches, self.loss_chunk, self.z_loss, self.remat = microbatches, loss_chunk, z_loss, remat
+        self.stages = layout.plan.stages
+        self.bubble = schedule.bubble_fraction(self.stages, microbatches)
+
+    def _forward(self, params, batch, z_loss):
+        """((nll, z, correct) sums, aux per stack in the stage layout)."""
+        plan = self.layout.plan
+        model = nnx.merge(self.graphdef, params)
+        mbs = split_microbatches(batch, self.microbatches)
+        x = constrain(model.embed(mbs["inputs"]), (None,) + RESIDUAL)
+        program = StageProgram(model, plan.runs(), plan.repeats, self.remat)
+        stage_params = {kind: _subtree(params, kind + ("layers",)) for kind in plan.kinds}
+        valid = {kind: jnp.asarray(plan.valid(kind)) for kind in plan.kinds}
+        final, aux = run_pipeline(lambda p, repeat, h, pos, seg: program(*p, repeat, h, pos, seg),
+                                  (stage_params, valid), x, (mbs["positions"], mbs["segment_ids"]),
+                                  self.schedule, stages=self.stages)
+
+        def head(h, targets, mask):
+            return jnp.stack(chunked_cross_entropy(model.logits, model.final_norm(h), targets, mask,
+                                                   chunk=self.loss_chunk, z_loss=z_loss))
+
+        spread = "pipeline" if self.microbatches % self.stages == 0 else None
+        sums = jax.vmap(head, spmd_axis_name=spread)(final, mbs["targets"], mbs["loss_mask"]).sum(0)
+        return (sums[0], sums[1], sums[2]), _nest(aux)
+
+    def sums(self, params, batch):
+        return self._forward(params, batch, 0.0)[0]
+
+    def _loss(self, params, batch, total_tokens):
+        (nll, z, correct), aux = self._forward(params, batch, self.z_loss)
+        return (nll + z) / total_tokens + _aux_loss(aux) / self.microbatches, ((nll, z, correct), aux)
+
+    def __call__(self, params, batch, total_tokens):
+        (_, (sums, aux)), grads = jax.value_and_grad(self._loss, has_aux=True)(params, batch, total_tokens)
+        return grads, sums, aux
+
+    def metrics(self, aux) -> dict:
+        return {**moe_metrics(self.layout.aux_to_canonical(aux), self.microbatches),
+                "pipeline_bubble": jnp.asarray(self.bubble, jnp.float32)}
+
+
+def _subtree(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _nest(by_kind: dict) -> dict:
+    """{("stacks", name[, kind]): aux} -> {name: aux} / {name: {kind: aux}}, as the model nests it."""
+    out: dict = {}
+    for kind, aux in by_kind.items():
+        node = out
+        for key in kind[1:-1]:
+            node = node.setdefault(key, {})
+        node[kind[-1]] = aux
+    return out

@@ -1,0 +1,85 @@
+"""How the train state is laid out in memory, and how it maps to the canonical on-disk tree.
+
+One strategy per layout, same interface:
+
+- CanonicalState: in memory as on disk (no pipeline).
+- StagedState: layer stacks regrouped into pipeline stages (jaxtrain/pipeline_layout.py), each
+  stage's layers and optimizer state only on its pipeline group. Checkpoints stay canonical:
+  `to_disk` regroups before a save, `from_disk` after a restore, both jitted into the target
+  shardings. On disk (and briefly around a save/restore) stacks are laid out canonically with
+  their `layers` dimension split over `pipeline` where it divides.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxtrain.pipeline_layout import PipelineLayout
+from jaxtrain.state import (abstract_model, count_params, init_state, optimizer_shardings, param_shardings,
+                            shardings_by_path, state_shardings, with_shardings)
+from meshes.pipeline_split import StagePlan
+from meshes.rules import RuleSet
+
+STATE_ITEMS = ("params", "opt_state")
+
+
+class CanonicalState:
+    def __init__(self, model_cfg, tx, mesh, rules: RuleSet):
+        self.model_cfg, self.tx = model_cfg, tx
+        self.graphdef, self.abstract, self.shardings = state_shardings(model_cfg, tx, mesh, rules)
+        self.disk_abstract = self.abstract
+        self.num_params = count_params(self.abstract["params"])
+
+    def init(self, seed: int) -> dict:
+        return init_state(self.model_cfg, self.tx, self.shardings, seed)
+
+    def from_disk(self, state: dict) -> dict:
+        return state
+
+    def to_disk(self, state: dict) -> dict:
+        return state
+
+
+class StagedState:
+    def __init__(self, model_cfg, tx, mesh, rules: RuleSet, plan: StagePlan):
+        self.model_cfg, self.tx = model_cfg, tx
+        self.graphdef, canonical = abstract_model(model_cfg)
+        self.layout = PipelineLayout(plan, canonical)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        step = jax.ShapeDtypeStruct((), jnp.int32)
+
+        params = jax.eval_shape(self.layout.to_stages, canonical.to_pure_dict())
+        opt_state = jax.eval_shape(tx.init, params)
+        names, shapes = self.layout.stage_names, self.layout.stage_shapes
+        self.shardings = {"step": replicated,
+                          "params": shardings_by_path(params, names, shapes, mesh, rules.params),
+                          "opt_state": shardings_by_path(opt_state, names, shapes, mesh, rules.optimizer_table)}
+        self.abstract = with_shardings({"step": step, "params": params, "opt_state": opt_state}, self.shardings)
+
+        on_pipeline = lambda table: {**table, "layers": ("pipeline",)}
+        disk_params = canonical.to_pure_dict()
+        disk_opt = jax.eval_shape(tx.init, disk_params)
+        self.disk_shardings = {"step": replicated,
+                               "params": param_shardings(canonical, mesh, on_pipeline(rules.params)),
+                               "opt_state": optimizer_shardings(disk_opt, canonical, mesh,
+                                                                on_pipeline(rules.optimizer_table))}
+        self.disk_abstract = with_shardings({"step": step, "params": disk_params, "opt_state": disk_opt},
+                                            self.disk_shardings)
+        self.num_params = count_params(disk_params)
+
+    def init(self, seed: int) -> dict:
+        return init_state(self.model_cfg, self.tx, self.shardings, seed, regroup=self.layout.to_stages)
+
+    def from_disk(self, state: dict) -> dict:
+        """Restored canonical items (params, maybe opt_state) -> stage layout; other keys as they are."""
+        return self._regroup(state, self.layout.to_stages, self.shardings)
+
+    def to_disk(self, state: dict) -> dict:
+        return self._regroup(state, self.layout.to_canonical, self.disk_shardings)
+
+    @staticmethod
+    def _regroup(state, fn, shardings):
+        items = {k: state[k] for k in STATE_ITEMS if k in state}
+        moved = jax.jit(fn, out_shardings={k: shardings[k] for k in items})(items)
+        return {**state, **moved}

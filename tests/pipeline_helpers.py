@@ -1,0 +1,59 @@
+"""Short training runs for pipeline tests: every layout starts from the same canonical parameters,
+handed over as a checkpoint restore would (`from_disk`)."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from helpers import TINY_OPT, random_packed_batch
+from jaxtrain.optim import make_optimizer
+from jaxtrain.state import abstract_model, map_with_path
+from jaxtrain.train_setup import build_train_setup
+from meshes.mesh import build_mesh
+from meshes.rules import get_rule_set
+
+# Adam's first steps move every weight by about lr whatever its gradient's size, so a weight
+# whose gradient is ~0 (cancellation) turns last-ulp differences between reduction orders into
+# lr-sized differences (seen between *unpipelined* layouts too). A larger eps makes such
+# updates proportional to the gradient; a real error still moves weights by ~lr.
+PIPELINE_OPT = dataclasses.replace(TINY_OPT, eps=1e-5)
+
+
+def initial_params(model, seed: int = 0) -> dict:
+    """Random canonical parameters of the model's shapes, made on the host with numpy (compiling
+    the real initializers costs more than a whole test): norm scales and `D` 1, biases 0, the
+    rest N(0, 0.02). Any parameters serve to compare layouts."""
+    rng = np.random.default_rng(seed)
+
+    def make(path, x):
+        name = path[-1]
+        if name in ("scale", "D"):
+            return np.ones(x.shape, x.dtype)
+        if "bias" in name:
+            return np.zeros(x.shape, x.dtype)
+        return (0.02 * rng.standard_normal(x.shape)).astype(x.dtype)
+
+    return map_with_path(make, abstract_model(model)[1].to_pure_dict())
+
+
+def run_steps(mesh_cfg, model, train, params0, *, pipeline=None, rules="dp", devices=None, steps: int = 3):
+    """`steps` train steps from `params0` on fresh random batches. Returns (losses, canonical
+    params on host, last metrics on host, final in-memory state, the TrainSetup)."""
+    mesh = build_mesh(mesh_cfg, devices if devices is not None else jax.devices())
+    tx, schedule = make_optimizer(PIPELINE_OPT, train.steps)
+    setup = build_train_setup(model, train, tx, schedule, mesh, get_rule_set(rules), pipeline)
+    layout = setup.state
+    disk = jax.tree.map(lambda a: a.sharding, layout.disk_abstract)
+    state = layout.from_disk({"params": jax.device_put(params0, disk["params"])})
+    state["opt_state"] = jax.jit(tx.init, out_shardings=layout.shardings["opt_state"])(state["params"])
+    state["step"] = jax.device_put(np.int32(0), layout.shardings["step"])
+    losses = []
+    for i in range(steps):
+        host = random_packed_batch(100 + i, train.global_batch, train.seq_len, model.vocab_size)
+        batch = {k: jax.device_put(v, setup.batch_sharding[k]) for k, v in host.items()}
+        state, metrics = setup.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    params = jax.device_get(layout.to_disk({"params": state["params"]})["params"])
+    return np.array(losses), params, jax.device_get(metrics), state, setup
