@@ -71,3 +71,18 @@ def save_tiny_mamba2(directory, *, seed: int = 0, **config) -> str:
                 num_hidden_layers=2, chunk_size=6)
     model = transformers.Mamba2ForCausalLM(transformers.Mamba2Config(**{**base, **config}))
     return save_randomized(model, directory)
+
+
+def forward(model, tokens, mesh=None):
+    """Our logits for `tokens`, jitted, under the `dp` rule table when a mesh is given."""
+    import jax
+    from flax import nnx
+
+    from meshes.rules import get_rule_set, use_rules
+
+    graphdef, state = nnx.split(model)
+    run = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
+    if mesh is None:
+        return np.asarray(run(state, tokens))
+    with use_rules(mesh, get_rule_set("dp")):
+        return np.asarray(run(state, tokens))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hf_tiny_models import random_tokens, relative_error, save_tiny_llama
+from hf_tiny_models import forward, random_tokens, relative_error, save_tiny_llama
 from jaxtrain import hf
 from jaxtrain.hf.safetensors_io import SafetensorsDir
 from jaxtrain.hf.verify import compare_logits, transformers_logits
@@ -49,15 +49,6 @@ def mesh():
 @pytest.fixture(scope="module")
 def sharded(case, mesh):
     return hf.load(case.dir, mesh=mesh)
-
-
-def forward(model, tokens, mesh=None):
-    graphdef, state = nnx.split(model)
-    run = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
-    if mesh is None:
-        return np.asarray(run(state, tokens))
-    with use_rules(mesh, get_rule_set("dp")):
-        return np.asarray(run(state, tokens))
 
 
 EXPECTED = {

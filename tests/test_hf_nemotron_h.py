@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hf_tiny_models import random_tokens, relative_error, save_tiny_nemotron_h
+from hf_tiny_models import forward, random_tokens, relative_error, save_tiny_nemotron_h
 from jaxtrain import convert, hf
 from jaxtrain.hf.errors import HFConfigError
 from jaxtrain.hf.families import nemotron_h as family
@@ -31,15 +31,6 @@ def case(tmp_path_factory):
     directory = save_tiny_nemotron_h(tmp_path_factory.mktemp("nemotron_h"), seed=5, **HF_CONFIG)
     tokens = random_tokens(96, batch=2, length=16)
     return types.SimpleNamespace(dir=directory, tokens=tokens, reference=transformers_logits(directory, tokens))
-
-
-def forward(model, tokens, mesh=None):
-    graphdef, state = nnx.split(model)
-    run = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
-    if mesh is None:
-        return np.asarray(run(state, tokens))
-    with use_rules(mesh, get_rule_set("dp")):
-        return np.asarray(run(state, tokens))
 
 
 def test_config_translated(case):
