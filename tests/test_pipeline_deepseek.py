@@ -1,9 +1,8 @@
 """DeepSeek-V2 (tiny, 27 layers: 1 dense + 26 MoE) pipelined trains like the unpipelined model on
-one device: GPipe 14/13 in the reference layout (tensor 2 x data 4, experts folded EP 4 x EDP 2)
-and interleaved 7/7/7/6 (2 stages x 2 passes, both layer kinds padded) with FSDP and an expert
-axis. Losses, parameters, MoE metrics and router biases all match; each pipeline group holds only
-its stage's layers and their optimizer state. (4 stages: Llama and Nemotron-H tests; 7/7/7/6 as
-4 GPipe stages passes too but is left out to keep the suite's time down.)"""
+one device: GPipe 14/13 in the reference layout (tensor 2 x data 4, experts folded EP 4 x EDP 2),
+7/7/7/6 interleaved (2 stages x 2 passes, both layer kinds padded) with FSDP and an expert axis,
+and 7/7/7/6 as 4 GPipe stages (microbatches = stages). Losses, parameters, MoE metrics and router
+biases all match; each pipeline group holds only its stage's layers and their optimizer state."""
 import dataclasses
 
 import jax
@@ -42,6 +41,8 @@ CASES = {
     "pipeline2_7_7_7_6_interleaved_fsdp_data2_expert2_tensor2": (
         MeshConfig(pipeline=2, data=2, expert=2, tensor=2), "fsdp",
         PipelineConfig(schedule=Interleaved(2), stages_layers=(7, 7, 7, 6), remat="layer")),
+    "pipeline4_7_7_7_6_gpipe_tensor2_data2_folded": (
+        MeshConfig(pipeline=4, data=2, tensor=2), "dp+experts_folded", PipelineConfig(stages_layers=(7, 7, 7, 6))),
 }
 
 

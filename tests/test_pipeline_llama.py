@@ -1,5 +1,6 @@
 """Llama pipelined over 2 and 4 stages (GPipe and interleaved, microbatches = and > stages,
-with data, tensor and FSDP) trains exactly like the unpipelined model on one device."""
+with data, tensor, context (sequence parallel) and FSDP) trains exactly like the unpipelined
+model on one device."""
 import dataclasses
 
 import jax
@@ -12,25 +13,32 @@ from meshes.mesh import MeshConfig
 from meshes.pipeline_schedules import GPipe, Interleaved
 from pipeline_helpers import initial_params, run_steps
 
-LLAMA6 = dataclasses.replace(TINY_LLAMA, layers=6)
+LLAMA8 = dataclasses.replace(TINY_LLAMA, layers=8)
 PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-4  # as tests/test_parallel_equivalence.py
 
 
 @pytest.fixture(scope="module")
 def reference():
-    params0 = initial_params(LLAMA6)
-    losses, params, _, _, _ = run_steps(MeshConfig(data=1), LLAMA6, with_train(microbatches=2), params0,
+    params0 = initial_params(LLAMA8)
+    losses, params, _, _, _ = run_steps(MeshConfig(data=1), LLAMA8, with_train(microbatches=2), params0,
                                         devices=jax.devices()[:1])
     return params0, losses, params
 
 
 CASES = {
-    # 6 layers as 4 chunks (2, 2, 1, 1) over 2 stages x 2 passes; microbatches = stages
+    # 8 layers as 4 uneven chunks (3, 2, 2, 1) over 2 stages x 2 passes; microbatches = stages
     "pipeline2_interleaved_data4_tensor2_m2": (MeshConfig(pipeline=2, data=4, tensor=2), "dp",
-                                               PipelineConfig(schedule=Interleaved(2)), 2),
-    # uneven 4-stage split (2, 2, 1, 1) with padding; FSDP; microbatches > stages
+                                               PipelineConfig(schedule=Interleaved(2), stages_layers=(3, 2, 2, 1)), 2),
+    # uneven 4-stage split (3, 2, 2, 1) with padding; FSDP; microbatches > stages
     "pipeline4_gpipe_fsdp_data2_tensor2_m8": (MeshConfig(pipeline=4, data=2, tensor=2), "fsdp",
-                                              PipelineConfig(schedule=GPipe(), remat="stage"), 8),
+                                              PipelineConfig(schedule=GPipe(), stages_layers=(3, 2, 2, 1),
+                                                             remat="stage"), 8),
+    # residual stream split over context x tensor (sequence parallel); microbatches > stages
+    "pipeline2_gpipe_dp_sp_context2_data2_tensor2_m4": (MeshConfig(pipeline=2, data=2, context=2, tensor=2), "dp_sp",
+                                                        PipelineConfig(), 4),
+    # 8 chunks of one layer over 4 stages x 2 passes; microbatches = stages
+    "pipeline4_interleaved_fsdp_context2_data2_m4": (MeshConfig(pipeline=4, data=2, context=2), "fsdp",
+                                                     PipelineConfig(schedule=Interleaved(2)), 4),
 }
 
 
@@ -38,7 +46,7 @@ CASES = {
 def test_pipelined_llama_matches_one_device(reference, case):
     mesh_cfg, rules, pipeline, microbatches = CASES[case]
     params0, ref_losses, ref_params = reference
-    losses, params, metrics, _, setup = run_steps(mesh_cfg, LLAMA6, with_train(microbatches=microbatches), params0,
+    losses, params, metrics, _, setup = run_steps(mesh_cfg, LLAMA8, with_train(microbatches=microbatches), params0,
                                                   pipeline=pipeline, rules=rules)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(params, ref_params, rtol=PARAM_RTOL, atol=PARAM_ATOL)

@@ -1,7 +1,7 @@
 """Nemotron-H (tiny, 8 layers of all four kinds: mamba, moe, attention, mlp) pipelined over 4
-stages x 2 passes: each stage runs one common slot pattern of kinds, padding the slots its own
-layers do not fill, and holds only its layers; training equals the unpipelined model on one
-device. (2 GPipe stages with tensor=2 x data=4 pass too; left out to keep the suite's time down.)"""
+stages x 2 passes, and over 2 GPipe stages with the sequence split over context x tensor: each
+stage runs one common slot pattern of kinds, padding the slots its own layers do not fill, and
+holds only its layers; training equals the unpipelined model on one device."""
 import dataclasses
 
 import jax
@@ -31,6 +31,9 @@ CASES = {
     # 8 chunks of one layer, two per stage: every stage pads the kinds its chunks lack
     "pipeline4_interleaved_fsdp_data2_expert2": (MeshConfig(pipeline=4, data=2, expert=2), "fsdp",
                                                  PipelineConfig(schedule=Interleaved(2))),
+    # computed split; mamba scans and attention over a sequence split across context x tensor
+    "pipeline2_gpipe_dp_sp_context2_data2_tensor2": (MeshConfig(pipeline=2, data=2, context=2, tensor=2), "dp_sp",
+                                                     PipelineConfig()),
 }
 
 
