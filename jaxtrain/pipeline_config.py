@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 
 import gin
-import jax
 from flax import nnx
 
 from meshes.pipeline_schedules import GPipe, Interleaved
@@ -36,15 +35,7 @@ class PipelineConfig:
     stages_layers: tuple[int, ...] | None = None
     remat: str = "none"  # none | layer | stage (models/stage_program.py)
 
-    def validate(self, stages: int, microbatches: int, rules=None, mesh_sizes=None) -> None:
-        if rules is not None and _known_wrong_gradients(rules, mesh_sizes):
-            raise ValueError(
-                f"pipeline={stages} with rules {rules.name!r} on context={mesh_sizes['context']} x "
-                f"tensor={mesh_sizes['tensor']}: the residual stream split over context x tensor (sequence "
-                f"parallel) together with parameters split over context (FSDP) gets wrong gradients from "
-                f"the Shardy partitioner under the pipeline (jax 0.10.2; the loss is right, GSPMD is right). "
-                f"Use `fsdp` with context, or `fsdp_sp` without context, or set "
-                f"jax.config.update('jax_use_shardy_partitioner', False)")
+    def validate(self, stages: int, microbatches: int) -> None:
         if self.remat not in STAGE_REMAT:
             raise ValueError(f"PipelineConfig.remat={self.remat!r}: choose one of {STAGE_REMAT}")
         if not hasattr(self.schedule, "ticks"):
@@ -61,15 +52,3 @@ class PipelineConfig:
         counts = chunk_counts([cost[k] for k in kinds], stages * repeats, self.stages_layers, kinds)
         return plan_stages(sequence, stages, repeats, counts)
 
-
-
-def _known_wrong_gradients(rules, sizes) -> bool:
-    """The one layout family found to train wrongly when pipelined: sequence parallel over
-    context x tensor plus FSDP over context, partitioned by Shardy (jax 0.10.2's default) — with
-    GSPMD it matches one device, as do dp_sp with context, fsdp with context and fsdp_sp
-    without context under Shardy. Found on XLA:CPU; not yet reduced to a small reproduction."""
-    if not getattr(jax.config, "jax_use_shardy_partitioner", True):  # the flag may go once Shardy is all
-        return False
-    live = lambda axes: {a for a in axes if sizes.get(a, 1) > 1}
-    residual = live(rules.activations.get("residual_length", ()))
-    return {"context", "tensor"} <= residual and "context" in live(rules.params.get("embed", ()))

@@ -46,6 +46,11 @@ class PipelinedGradients:
                                   self.schedule, stages=self.stages)
 
         def head(h, targets, mask):
+            # The head takes the sequence whole over `tensor` (split over `context` only), as
+            # the unpipelined model's head does implicitly. Stated here because XLA's SPMD
+            # partitioner, left to choose with the microbatches split over `pipeline`, gets the
+            # input gradient wrong for sequence parallel + FSDP over context (jax 0.10.2).
+            h = constrain(h, ("batch", "length", "embed"))
             return jnp.stack(chunked_cross_entropy(model.logits, model.final_norm(h), targets, mask,
                                                    chunk=self.loss_chunk, z_loss=z_loss))
 

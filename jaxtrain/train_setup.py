@@ -32,7 +32,7 @@ def build_train_setup(model_cfg, train, tx, lr_schedule, mesh, rules: RuleSet,
     kw = dict(microbatches=train.microbatches, loss_chunk=train.loss_chunk, z_loss=train.z_loss)
     if stages > 1:
         pipeline = pipeline or PipelineConfig()
-        pipeline.validate(stages, train.microbatches, rules, dict(mesh.shape))
+        pipeline.validate(stages, train.microbatches)
         state = StagedState(model_cfg, tx, mesh, rules, pipeline.plan(model_cfg, stages))
         gradients = PipelinedGradients(state.graphdef, state.layout, pipeline.schedule, remat=pipeline.remat, **kw)
         plan = state.layout.plan

@@ -39,7 +39,7 @@ def check_layout(exp: Experiment, mesh) -> None:
     exp.model.validate(sizes)
     if sizes["pipeline"] > 1:  # schedule vs microbatches, and the layer split (sums, no empty stage)
         pipeline = exp.pipeline or PipelineConfig()
-        pipeline.validate(sizes["pipeline"], t.microbatches, get_rule_set(t.rules), sizes)
+        pipeline.validate(sizes["pipeline"], t.microbatches)
         pipeline.plan(exp.model, sizes["pipeline"])
 
 

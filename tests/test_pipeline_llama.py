@@ -33,9 +33,10 @@ CASES = {
     "pipeline4_gpipe_fsdp_data2_tensor2_m8": (MeshConfig(pipeline=4, data=2, tensor=2), "fsdp",
                                               PipelineConfig(schedule=GPipe(), stages_layers=(3, 2, 2, 1),
                                                              remat="stage"), 8),
-    # residual stream split over context x tensor (sequence parallel); microbatches > stages
-    "pipeline2_gpipe_dp_sp_context2_data2_tensor2_m4": (MeshConfig(pipeline=2, data=2, context=2, tensor=2), "dp_sp",
-                                                        PipelineConfig(), 4),
+    # residual stream split over context x tensor (sequence parallel), parameters over data x
+    # context (FSDP): the layout whose head gradient XLA got wrong (pipeline_step.py); m > stages
+    "pipeline2_gpipe_fsdp_sp_context2_data2_tensor2_m4": (MeshConfig(pipeline=2, data=2, context=2, tensor=2),
+                                                          "fsdp_sp", PipelineConfig(), 4),
     # 8 chunks of one layer over 4 stages x 2 passes; microbatches = stages
     "pipeline4_interleaved_fsdp_context2_data2_m4": (MeshConfig(pipeline=4, data=2, context=2), "fsdp",
                                                      PipelineConfig(schedule=Interleaved(2)), 4),

@@ -2,7 +2,6 @@
 the clear errors for bad splits and microbatch counts."""
 import dataclasses
 
-import jax
 import numpy as np
 import pytest
 
@@ -127,14 +126,3 @@ def test_reference_pipeline_configs_plan_their_stages(gin_file, counts):
                                 exp.model.expert_mlp)
         assert (layout.ep_axes, layout.ep_size, layout.edp_axes, layout.edp_size) == (("data",), 4, ("tensor",), 2)
 
-
-def test_pipelined_sequence_parallel_fsdp_over_context_is_refused(tmp_path):
-    """fsdp_sp on context x tensor trains wrongly when pipelined and partitioned by Shardy (the
-    loss is right, gradients are not; GSPMD is right): refused before anything is compiled, with
-    the layouts that work."""
-    exp = dataclasses.replace(_experiment(PipelineConfig()), mesh=MeshConfig(pipeline=2, data=2, context=2, tensor=2),
-                              train=TrainConfig(steps=2, global_batch=16, seq_len=16, microbatches=4, rules="fsdp_sp"))
-    if not getattr(jax.config, "jax_use_shardy_partitioner", True):
-        pytest.skip("only refused under the Shardy partitioner")
-    with pytest.raises(ValueError, match="Use `fsdp` with context, or `fsdp_sp` without context"):
-        Trainer(exp, str(tmp_path / "run"))
