@@ -7,7 +7,6 @@ axis size factors into an ICI part (within a process) and a DCN part (across pro
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Sequence
 

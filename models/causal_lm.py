@@ -5,7 +5,6 @@ dense prefix plus an MoE stack for DeepSeek; ...), so this module stays family-a
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 

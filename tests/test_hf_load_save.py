@@ -15,7 +15,6 @@ from jaxtrain import hf
 from jaxtrain.hf.safetensors_io import SafetensorsDir
 from jaxtrain.hf.verify import compare_logits, transformers_logits
 from meshes.mesh import MeshConfig, build_mesh
-from meshes.rules import get_rule_set, use_rules
 from models.layers.rope import Llama3Scaling, LinearScaling
 
 CASES = {

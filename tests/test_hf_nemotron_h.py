@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import types
 
-import jax
-import numpy as np
 import pytest
 from flax import nnx
 
@@ -19,7 +17,6 @@ from jaxtrain.hf.families import nemotron_h as family
 from jaxtrain.hf.safetensors_io import SafetensorsDir
 from jaxtrain.hf.verify import transformers_logits
 from meshes.mesh import MeshConfig, build_mesh
-from meshes.rules import get_rule_set, use_rules
 from models.layers.router import RouterConfig
 
 HF_CONFIG = dict(moe_latent_size=16, mlp_bias=True, use_bias=True, time_step_min=0.6, n_routed_experts=8,

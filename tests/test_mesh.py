@@ -1,12 +1,10 @@
 import itertools
 import math
 
-import jax
-import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from meshes.mesh import AXES, MeshConfig, build_mesh, resolve_axis_sizes, split_over_processes
+from meshes.mesh import AXES, MeshConfig, build_mesh, split_over_processes
 from meshes.rules import RULE_SETS, get_rule_set, spec_for
 
 

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import TINY_LLAMA, assert_trees_close, train_losses, with_train
+from helpers import assert_trees_close, train_losses, with_train
 from meshes.mesh import MeshConfig
 
 # Adam normalizes each update to about lr (1e-2 here), so for a weight whose gradient is near

@@ -1,7 +1,5 @@
 """Resume: 6 steps straight equal 3 steps + restart + 3 steps (params, optimizer, step and
 data iterator all restored), also when the restart uses another mesh layout."""
-import dataclasses
-
 import jax
 import numpy as np
 import pytest
