@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 WHEELS ?= /opt/wheels
 FIND_LINKS := $(if $(wildcard $(WHEELS)),--find-links $(WHEELS),)
 ARGS ?=
+# Test processes: XLA compiles on one core, so two workers keep both of a 2-core machine busy.
+# Whole modules go to one worker (loadscope) so module fixtures (reference runs) are built once.
+TEST_WORKERS ?= 2
 
 .PHONY: train test venv clean
 
@@ -21,7 +24,7 @@ train: $(VENV)/.stamp
 	$(PY) -m jaxtrain.train --gin_file=configs/default.gin --workdir=runs/default $(ARGS)
 
 test: $(VENV)/.stamp
-	$(PY) -m pytest tests $(ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs
