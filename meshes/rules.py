@@ -77,7 +77,11 @@ _TENSOR_PARALLEL_PARAMS: Table = {
     "experts": ("expert",),  # expert parallel over the expert axis
 }
 # FSDP / ZeRO-3: the embed dimension of every weight is also split over the data-parallel axes.
-_FSDP_PARAMS: Table = {**_TENSOR_PARALLEL_PARAMS, "embed": DATA_PARALLEL_AXES + ("context",)}
+# Expert weights' embed dimension takes `tensor` as well: the axes an expert is not split over
+# (EP, ETP) are its expert-data-parallel axes, so it is kept 1/(EP x EDP) per device and
+# gathered for compute like any FSDP weight.
+_FSDP_PARAMS: Table = {**_TENSOR_PARALLEL_PARAMS, "embed": DATA_PARALLEL_AXES + ("context",),
+                       "expert_embed": DATA_PARALLEL_AXES + ("context", "tensor")}
 # Sequence parallel: between blocks the residual stream is split over tensor as well, turning
 # the tensor-parallel all-reduces into reduce-scatter + all-gather pairs.
 _SEQUENCE_PARALLEL_ACTIVATIONS: Table = {**_ACTIVATIONS, "residual_length": ("context", "tensor")}
@@ -93,14 +97,22 @@ RULE_SETS: dict[str, RuleSet] = {
 }
 
 
-# Overlays change one component's layout on top of a base table: `"fsdp+experts_folded"`.
-OVERLAYS: dict[str, dict[str, Table]] = {
+# Overlays change one component's layout on top of a base table (`"fsdp+experts_folded"`): each
+# maps the base's parameter table (and optimizer table) to the changed one.
+def _fold_experts(table: Table) -> Table:
     # Experts folded over every axis the tokens are split over (e.g. EP 4 = data x context while
     # attention runs tensor x context x data); the remaining axes act as expert data parallel.
-    "experts_folded": {"params": {"experts": ("data", "context", "expert")}},
-    # Expert tensor parallel: each expert's hidden dimension split over tensor.
-    "expert_tp": {"params": {"expert_mlp": ("tensor",)}},
-}
+    return {**table, "experts": ("data", "context", "expert")}
+
+
+def _expert_tensor_parallel(table: Table) -> Table:
+    # Each expert's hidden dimension split over tensor; FSDP then no longer splits the expert's
+    # embed dimension over tensor (the hidden dimension holds it).
+    return {**table, "expert_mlp": ("tensor",),
+            "expert_embed": tuple(a for a in table.get("expert_embed", ()) if a != "tensor")}
+
+
+OVERLAYS = {"experts_folded": _fold_experts, "expert_tp": _expert_tensor_parallel}
 
 
 def get_rule_set(name: str) -> RuleSet:
@@ -112,9 +124,8 @@ def get_rule_set(name: str) -> RuleSet:
         if overlay not in OVERLAYS:
             raise ValueError(f"unknown rule overlay {overlay!r} in {name!r}; choose from {sorted(OVERLAYS)}")
         change = OVERLAYS[overlay]
-        optimizer = None if rules.optimizer is None else {**rules.optimizer, **change.get("params", {})}
-        rules = RuleSet(name, {**rules.params, **change.get("params", {})},
-                        {**rules.activations, **change.get("activations", {})}, optimizer)
+        optimizer = None if rules.optimizer is None else change(rules.optimizer)
+        rules = RuleSet(name, change(rules.params), rules.activations, optimizer)
     return rules
 
 

@@ -25,9 +25,9 @@ def single_device():
 LAYOUTS = {
     "expert16": (MeshConfig(expert=16), "dp"),
     "expert4_data4": (MeshConfig(expert=4, data=4), "dp"),
-    "folded_reference_shape": (MeshConfig(data=4, context=2, tensor=2), "dp+experts_folded"),
+    "folded_reference_shape": (MeshConfig(data=4, context=2, tensor=2), "fsdp+experts_folded"),  # EDP-split experts
     "expert_tensor_parallel": (MeshConfig(data=4, expert=2, tensor=2), "dp+expert_tp"),
-    "fsdp_expert4": (MeshConfig(data=4, expert=4), "fsdp"),
+    "fsdp_expert_tensor_parallel": (MeshConfig(data=4, expert=2, tensor=2), "fsdp+expert_tp"),
 }
 
 

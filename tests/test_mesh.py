@@ -63,3 +63,23 @@ def test_rule_resolution():
     with pytest.raises(ValueError, match="unknown rule table"):
         get_rule_set("nope")
     assert {"dp", "fsdp", "zero1", "dp_sp", "fsdp_sp"} <= set(RULE_SETS)
+
+
+def test_fsdp_splits_expert_weights_over_their_expert_data_parallel_axes():
+    """Folded experts on data=4 x context=2 x tensor=2: EP over data x context, EDP over tensor.
+    FSDP keeps each expert weight 1/(EP x EDP) per device; with expert TP the hidden dim holds
+    tensor instead; without FSDP the EDP copies stay whole."""
+    from models.layers.expert_ffn import WEIGHT_AXES
+
+    mesh = build_mesh(MeshConfig(data=4, context=2, tensor=2))
+    up, down = (64, 32, 16), (64, 16, 32)  # experts, embed, hidden / experts, hidden, embed
+    spec = lambda rules, name, shape: spec_for(WEIGHT_AXES[name], shape, get_rule_set(rules).params, mesh)
+    assert spec("fsdp+experts_folded", "up", up) == P(("data", "context"), "tensor", None)
+    assert spec("fsdp+experts_folded", "down", down) == P(("data", "context"), None, "tensor")
+    assert spec("fsdp+experts_folded+expert_tp", "up", up) == P(("data", "context"), None, "tensor")
+    assert spec("fsdp+expert_tp+experts_folded", "down", down) == P(("data", "context"), "tensor", None)
+    assert spec("dp+experts_folded", "up", up) == P(("data", "context"), None, None)
+    # ZeRO-1: the optimizer state of expert weights is split over EDP, the weights are not.
+    zero1 = get_rule_set("zero1+experts_folded")
+    assert spec_for(WEIGHT_AXES["up"], up, zero1.optimizer_table, mesh) == P(("data", "context"), "tensor", None)
+    assert spec_for(WEIGHT_AXES["up"], up, zero1.params, mesh) == P(("data", "context"), None, None)

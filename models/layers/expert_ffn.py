@@ -14,6 +14,13 @@ from models.layers.params import normal, param
 from pallas_kernels.grouped_matmul import grouped_matmul
 
 
+WEIGHT_AXES = {  # logical axes of each expert weight (`expert_embed`: FSDP splits it over EDP too)
+    "gate": ("experts", "expert_embed", "expert_mlp"),
+    "up": ("experts", "expert_embed", "expert_mlp"),
+    "down": ("experts", "expert_mlp", "expert_embed"),
+}
+
+
 class GatedExperts(nnx.Module):
     """down(act(x @ gate) * (x @ up)) per expert."""
 
@@ -21,10 +28,9 @@ class GatedExperts(nnx.Module):
                  init_std: float = 0.02, dtype=jnp.float32):
         self.activation, self.dtype = activation, dtype
         _activation(activation)
-        up_axes = ("experts", "embed", "expert_mlp")
-        self.gate = param(rngs, normal(init_std), (num_experts, embed, hidden), up_axes)
-        self.up = param(rngs, normal(init_std), (num_experts, embed, hidden), up_axes)
-        self.down = param(rngs, normal(init_std), (num_experts, hidden, embed), ("experts", "expert_mlp", "embed"))
+        self.gate = param(rngs, normal(init_std), (num_experts, embed, hidden), WEIGHT_AXES["gate"])
+        self.up = param(rngs, normal(init_std), (num_experts, embed, hidden), WEIGHT_AXES["up"])
+        self.down = param(rngs, normal(init_std), (num_experts, hidden, embed), WEIGHT_AXES["down"])
 
     def weights(self) -> dict:
         return {"gate": self.gate[...], "up": self.up[...], "down": self.down[...]}
@@ -44,8 +50,8 @@ class PlainExperts(nnx.Module):
                  init_std: float = 0.02, dtype=jnp.float32):
         self.activation, self.dtype = activation, dtype
         _activation(activation)
-        self.up = param(rngs, normal(init_std), (num_experts, embed, hidden), ("experts", "embed", "expert_mlp"))
-        self.down = param(rngs, normal(init_std), (num_experts, hidden, embed), ("experts", "expert_mlp", "embed"))
+        self.up = param(rngs, normal(init_std), (num_experts, embed, hidden), WEIGHT_AXES["up"])
+        self.down = param(rngs, normal(init_std), (num_experts, hidden, embed), WEIGHT_AXES["down"])
 
     def weights(self) -> dict:
         return {"up": self.up[...], "down": self.down[...]}
@@ -56,8 +62,3 @@ class PlainExperts(nnx.Module):
         return mm(_activation(self.activation)(mm(x, weights["up"])), weights["down"])
 
 
-WEIGHT_AXES = {  # logical axes of each expert weight, for laying them out for compute
-    "gate": ("experts", "embed", "expert_mlp"),
-    "up": ("experts", "embed", "expert_mlp"),
-    "down": ("experts", "expert_mlp", "embed"),
-}
