@@ -31,7 +31,7 @@ def _shapes_tree(abstract_state: nnx.State) -> dict:
 
 
 def param_shardings(abstract_state: nnx.State, mesh, table: Table) -> dict:
-    return shardings_by_path(abstract_state.to_pure_dict(), _names_tree(abstract_state), _shapes_tree(abstract_state),
+    return shardings_by_path(nnx.to_pure_dict(abstract_state), _names_tree(abstract_state), _shapes_tree(abstract_state),
                              mesh, table)
 
 
@@ -79,7 +79,7 @@ def with_shardings(abstract, shardings):
 def state_shardings(model_cfg, tx, mesh, rules: RuleSet):
     """(graphdef, abstract TrainState with shardings attached, TrainState shardings)."""
     graphdef, abstract_state = abstract_model(model_cfg)
-    params_abstract = abstract_state.to_pure_dict()
+    params_abstract = nnx.to_pure_dict(abstract_state)
     opt_abstract = jax.eval_shape(tx.init, params_abstract)
     shardings = {
         "step": NamedSharding(mesh, PartitionSpec()),
@@ -96,7 +96,7 @@ def init_state(model_cfg, tx, shardings, seed: int, regroup=None) -> TrainState:
     turns the canonical parameters into the in-memory layout (pipeline stages) first."""
 
     def init(key):
-        params = nnx.state(model_cfg.build(nnx.Rngs(params=key))).to_pure_dict()
+        params = nnx.to_pure_dict(nnx.state(model_cfg.build(nnx.Rngs(params=key))))
         params = regroup(params) if regroup is not None else params
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 

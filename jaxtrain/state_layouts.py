@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.pipeline_layout import PipelineLayout
@@ -49,7 +50,7 @@ class StagedState:
         replicated = NamedSharding(mesh, PartitionSpec())
         step = jax.ShapeDtypeStruct((), jnp.int32)
 
-        params = jax.eval_shape(self.layout.to_stages, canonical.to_pure_dict())
+        params = jax.eval_shape(self.layout.to_stages, nnx.to_pure_dict(canonical))
         opt_state = jax.eval_shape(tx.init, params)
         names, shapes = self.layout.stage_names, self.layout.stage_shapes
         self.shardings = {"step": replicated,
@@ -58,7 +59,7 @@ class StagedState:
         self.abstract = with_shardings({"step": step, "params": params, "opt_state": opt_state}, self.shardings)
 
         on_pipeline = lambda table: {**table, "layers": ("pipeline",)}
-        disk_params = canonical.to_pure_dict()
+        disk_params = nnx.to_pure_dict(canonical)
         disk_opt = jax.eval_shape(tx.init, disk_params)
         self.disk_shardings = {"step": replicated,
                                "params": param_shardings(canonical, mesh, on_pipeline(rules.params)),

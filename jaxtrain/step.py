@@ -144,14 +144,14 @@ def make_train_step(graphdef, tx, schedule, *, mesh, rules: RuleSet, state_shard
             if _find_stats(aux) is not None:  # MoE: post-step correction-bias updates
                 model = nnx.merge(graphdef, new_params)
                 model.update_router_biases(aux)
-                new_params = nnx.state(model).to_pure_dict()
+                new_params = nnx.to_pure_dict(nnx.state(model))
         nll, z, correct = sums
         metrics = {
             "loss": nll / total_tokens,
             "z_loss": z / total_tokens,
             "accuracy": correct / total_tokens,
-            "grad_norm": optax.global_norm(grads),
-            "param_norm": optax.global_norm(new_params),
+            "grad_norm": optax.tree.norm(grads),
+            "param_norm": optax.tree.norm(new_params),
             "learning_rate": schedule(state["step"]),
             "loss_tokens": total_tokens,
             **gradients.metrics(aux),

@@ -71,7 +71,7 @@ def train_losses(mesh_cfg: MeshConfig, *, model=TINY_LLAMA, train=TINY_TRAIN, op
 
 def initial_params(model, seed: int = 0) -> dict:
     """The seeded initial parameters of `model` on the host (as train_losses would start from)."""
-    return jax.device_get(jax.jit(lambda key: nnx.state(model.build(nnx.Rngs(params=key))).to_pure_dict())(
+    return jax.device_get(jax.jit(lambda key: nnx.to_pure_dict(nnx.state(model.build(nnx.Rngs(params=key)))))(
         jax.random.key(seed)))
 
 

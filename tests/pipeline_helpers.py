@@ -6,6 +6,7 @@ import dataclasses
 
 import jax
 import numpy as np
+from flax import nnx
 
 from helpers import TINY_OPT, random_packed_batch
 from jaxtrain.optim import make_optimizer
@@ -35,7 +36,7 @@ def initial_params(model, seed: int = 0) -> dict:
             return np.zeros(x.shape, x.dtype)
         return (0.02 * rng.standard_normal(x.shape)).astype(x.dtype)
 
-    return map_with_path(make, abstract_model(model)[1].to_pure_dict())
+    return map_with_path(make, nnx.to_pure_dict(abstract_model(model)[1]))
 
 
 def run_steps(mesh_cfg, model, train, params0, *, pipeline=None, rules="dp", devices=None, steps: int = 3):

@@ -30,7 +30,7 @@ def test_sliding_window_loss_equals_per_token_reference():
     n, seq_len, stride = 45, 16, 6
     stream = np.random.default_rng().integers(0, TINY_LLAMA.vocab_size, n).astype(np.int32)
     model = TINY_LLAMA.build(nnx.Rngs(params=jax.random.key(3)))
-    params = nnx.state(model).to_pure_dict()
+    params = nnx.to_pure_dict(nnx.state(model))
     mesh = build_mesh(MeshConfig(data=4, tensor=4))
     exp = Experiment(model=TINY_LLAMA, train=TrainConfig(rules="dp"))
     out = evaluate_stream(exp, mesh, params, stream, seq_len=seq_len, stride=stride, batch_size=4, pad_id=0)

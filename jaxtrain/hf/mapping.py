@@ -29,7 +29,7 @@ STACK_AXES = {"layer": "layers", "expert": "experts"}
 
 @dataclasses.dataclass(frozen=True)
 class TensorMap:
-    ours: str  # our parameter path, '/'-separated, as in nnx.state(model).to_pure_dict()
+    ours: str  # our parameter path, '/'-separated, as in nnx.to_pure_dict(nnx.state(model))
     hf: str  # HF tensor name, e.g. "model.layers.{layer}.self_attn.q_proj.weight"
     pattern: str = ""  # rearrangement from the HF tensor to our per-layer tensor
     optional: bool = False
