@@ -220,13 +220,18 @@ def test_save_writes_what_transformers_wrote_and_loads(case, tmp_path):
     assert relative_error(transformers_logits(str(tmp_path), case.tokens), case.reference) < 1e-5
 
 
-def test_sharded_load_equals_single_device_load(case):
-    """On 16 devices (experts over `expert`, heads over `tensor`) each device reads its own
-    experts' shards, and every parameter equals the single-device load."""
-    mesh = build_mesh(MeshConfig(data=2, expert=4, tensor=2))
-    sharded = nnx.to_pure_dict(nnx.state(hf.load(case.dir, mesh=mesh)))
+@pytest.mark.parametrize("mesh_cfg, rules, gate_shard", [
+    (MeshConfig(data=2, expert=4, tensor=2), "dp", (1 / 4, 1)),  # experts over expert, heads over tensor
+    (MeshConfig(data=4, context=2, tensor=2), "fsdp+experts_folded", (1 / 8, 1 / 2)),  # EP 8, FSDP over EDP
+], ids=["expert4_dp", "folded_fsdp"])
+def test_sharded_load_equals_single_device_load(case, mesh_cfg, rules, gate_shard):
+    """On 16 devices each device reads its own slice of every tensor (its experts, and under
+    FSDP its slice of their embed dimension over the expert-data-parallel axis), and every
+    parameter equals the single-device load."""
+    sharded = nnx.to_pure_dict(nnx.state(hf.load(case.dir, mesh=build_mesh(mesh_cfg), rules=rules)))
     gate = sharded["stacks"]["moe_blocks"]["layers"]["moe"]["experts"]["gate"]
-    assert gate.addressable_shards[0].data.shape[1] == BASE["n_routed_experts"] // 4
+    layers, experts, embed, hidden = gate.shape
+    assert gate.addressable_shards[0].data.shape == (layers, experts * gate_shard[0], embed * gate_shard[1], hidden)
     single = nnx.to_pure_dict(nnx.state(case.model))
     for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(single)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
