@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtrain.batch_shards import process_batch_shard
 from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.config import Experiment
 from jaxtrain.data import make_eval_batches, make_train_iterator
@@ -51,14 +52,16 @@ class Trainer:
         self.mesh = build_mesh(exp.mesh, devices)
         self.rules = get_rule_set(t.rules)
         check_layout(exp, self.mesh)
-        self.train_iter = make_train_iterator(exp.data, seq_len=t.seq_len, global_batch=t.global_batch,
-                                              seed=t.seed, process_index=jax.process_index(),
-                                              process_count=jax.process_count())
-        self.eval_data = make_eval_batches(exp.data, seq_len=t.seq_len, batch_size=t.global_batch,
-                                           max_batches=t.eval_batches, process_index=jax.process_index(),
-                                           process_count=jax.process_count())
         self.tx, self.schedule = make_optimizer(exp.optimizer, t.steps)
         setup = build_train_setup(exp.model, t, self.tx, self.schedule, self.mesh, self.rules, exp.pipeline)
+        # Rows this process feeds: processes that differ only along axes the batch is replicated
+        # over (pipeline stages on different hosts) read the same rows.
+        shard, shards = process_batch_shard(setup.batch_sharding["inputs"], (t.global_batch, t.seq_len),
+                                            jax.process_index())
+        self.train_iter = make_train_iterator(exp.data, seq_len=t.seq_len, global_batch=t.global_batch,
+                                              seed=t.seed, process_index=shard, process_count=shards)
+        self.eval_data = make_eval_batches(exp.data, seq_len=t.seq_len, batch_size=t.global_batch,
+                                           max_batches=t.eval_batches, process_index=shard, process_count=shards)
         self.state_layout = setup.state  # canonical, or pipeline stages (converted at save/restore)
         self.shardings, self.batch_sharding = setup.state.shardings, setup.batch_sharding
         self.train_step, self.eval_step = setup.train_step, setup.eval_step

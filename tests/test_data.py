@@ -9,6 +9,7 @@ import pytest
 
 from jaxtrain import data
 from jaxtrain.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from meshes.mesh import MeshConfig, build_mesh
 
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 WORDS = ["the", "a", "ball", "Emma", "said", "quiet", "café", "naïve", "中文", "🙂", "x", "—", "?"]
@@ -480,3 +481,26 @@ def test_bad_batch_and_file_type(tmp_path):
     csv.write_text("a,b\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"a\.csv: unsupported corpus file type"):
         data.make_eval_batches(train_config([str(csv)]), seq_len=4, batch_size=1, max_batches=1)
+
+
+@pytest.mark.parametrize("mesh_cfg, processes, expected", [
+    (MeshConfig(data=16), 2, [(0, 2), (1, 2)]),  # data split over the processes
+    (MeshConfig(pipeline=2, data=8), 2, [(0, 1), (0, 1)]),  # a pipeline stage per process: same rows
+    (MeshConfig(pipeline=2, data=8), 4, [(0, 2), (1, 2), (0, 2), (1, 2)]),  # 2 stages x 2 data halves
+], ids=["data", "pipeline", "pipeline_and_data"])
+def test_each_process_feeds_the_rows_its_devices_hold(mesh_cfg, processes, expected):
+    """Devices are numbered process-major (device d belongs to process d // (16 / processes)), as
+    jax.distributed numbers them; processes spread over the outermost mesh axes first."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxtrain.batch_shards import process_batch_shard
+
+    mesh = build_mesh(mesh_cfg)
+    sharding = NamedSharding(mesh, PartitionSpec("data", None))
+    per_process = 16 // processes
+    got = [process_batch_shard(sharding, (16, 8), p, process_of=lambda d: d.id // per_process)
+           for p in range(processes)]
+    assert got == expected
+    with pytest.raises(ValueError, match="overlapping but different rows"):
+        odd = NamedSharding(build_mesh(MeshConfig(data=4, tensor=4)), PartitionSpec("data", None))
+        process_batch_shard(odd, (16, 8), 0, process_of=lambda d: 0 if d.id < 9 else 1)  # shard 2 split

@@ -1,6 +1,7 @@
 """Two processes on localhost (8 simulated CPU devices each, gloo collectives) train the same
 steps as one process with 16 devices: distributed init, the hybrid ICI x DCN mesh, per-process
-data shards and process-local batches assembled into global arrays."""
+data shards and process-local batches assembled into global arrays; also with one pipeline
+stage per process, where both processes feed the same rows."""
 import json
 import os
 import socket
@@ -9,6 +10,7 @@ import sys
 
 import gin
 import numpy as np
+import pytest
 
 from jaxtrain.config import load_experiment, parse_gin
 from jaxtrain.launch import DEFAULT_GIN
@@ -26,13 +28,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_match_one(tmp_path):
+@pytest.mark.parametrize("layout", [
+    [],  # data=8 x 2 processes: each process feeds half the rows
+    ["MeshConfig.pipeline=2", "MeshConfig.data=4", "TrainConfig.microbatches=2"],  # a stage per process
+], ids=["data", "pipeline_across_processes"])
+def test_two_processes_match_one(tmp_path, layout):
+    bindings = BINDINGS + layout
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
     procs = [subprocess.Popen(
         [sys.executable, "-m", "jaxtrain.train", f"--workdir={tmp_path / 'multi'}",
-         *[f"--gin_param={b}" for b in BINDINGS], f"--coordinator_address=localhost:{port}",
+         *[f"--gin_param={b}" for b in bindings], f"--coordinator_address=localhost:{port}",
          "--num_processes=2", f"--process_id={i}"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outputs = []
@@ -46,7 +53,7 @@ def test_two_processes_match_one(tmp_path):
     multi = [r["loss"] for r in rows if r["kind"] == "train"]
 
     gin.clear_config()
-    parse_gin([DEFAULT_GIN], BINDINGS)
+    parse_gin([DEFAULT_GIN], bindings)
     single = [h["loss"] for h in Trainer(load_experiment(), str(tmp_path / "single")).run()]
     gin.clear_config()
     np.testing.assert_allclose(multi, single, rtol=1e-5)
