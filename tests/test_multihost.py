@@ -28,11 +28,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    """The losses of one process on 16 devices, data=8 x tensor=2 (a pipelined run with as many
+    microbatches has the same losses: tests/test_pipeline_llama.py)."""
+    gin.clear_config()
+    parse_gin([DEFAULT_GIN], BINDINGS)
+    try:
+        return [h["loss"] for h in Trainer(load_experiment(), str(tmp_path_factory.mktemp("single"))).run()]
+    finally:
+        gin.clear_config()
+
+
 @pytest.mark.parametrize("layout", [
     [],  # data=8 x 2 processes: each process feeds half the rows
     ["MeshConfig.pipeline=2", "MeshConfig.data=4", "TrainConfig.microbatches=2"],  # a stage per process
 ], ids=["data", "pipeline_across_processes"])
-def test_two_processes_match_one(tmp_path, layout):
+def test_two_processes_match_one(tmp_path, layout, single_process):
     bindings = BINDINGS + layout
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -52,9 +64,5 @@ def test_two_processes_match_one(tmp_path, layout):
     rows = [json.loads(line) for line in (tmp_path / "multi" / "metrics.jsonl").read_text().splitlines()]
     multi = [r["loss"] for r in rows if r["kind"] == "train"]
 
-    gin.clear_config()
-    parse_gin([DEFAULT_GIN], bindings)
-    single = [h["loss"] for h in Trainer(load_experiment(), str(tmp_path / "single")).run()]
-    gin.clear_config()
-    np.testing.assert_allclose(multi, single, rtol=1e-5)
+    np.testing.assert_allclose(multi, single_process, rtol=1e-5)
     assert (tmp_path / "multi" / "checkpoints" / "3" / "data" / "process_1-of-2.json").exists()
