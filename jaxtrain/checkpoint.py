@@ -2,7 +2,8 @@
 
 A step directory (named by the number of completed steps) holds the items `params`,
 `opt_state` (each a mesh-free tree: plain nested dicts, layers stacked) and `data` (the grain
-iterator, one file per process).
+iterator, one file per process; a run with another number of processes restores from any of
+them, since the state is the number of global batches taken).
 Restoring onto another mesh only means handing Orbax abstract arrays that carry the new
 shardings. A checkpoint written by `python -m jaxtrain.convert` has no `opt_state`: training
 then starts from fresh optimizer state. Saves are async and atomic: Orbax finalizes a step
@@ -11,9 +12,11 @@ that looks complete.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import grain
+import jax
 import orbax.checkpoint as ocp
 
 STATE_ITEMS = ("params", "opt_state")
@@ -48,9 +51,21 @@ class Checkpointer:
             raise FileNotFoundError(f"checkpoint {self.directory}/{step} has no params item")
         items = {k: ocp.args.StandardRestore(abstract_state[k]) for k in STATE_ITEMS
                  if k in present and k in abstract_state}
+        other_layout = None  # a data state written by another number of processes
         if data_iterator is not None and "data" in present:
-            items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+            data_dir = os.path.join(self.directory, str(step), "data")
+            if os.path.exists(os.path.join(data_dir, f"process_{jax.process_index()}-of-{jax.process_count()}.json")):
+                items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+            else:
+                other_layout = sorted(f for f in os.listdir(data_dir) if f.startswith("process_"))
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        if other_layout:
+            # Our iterators' state is the number of global batches taken (jaxtrain/data.py), the same
+            # in every process's file, so any process's file positions this process's shard.
+            with open(os.path.join(data_dir, other_layout[0])) as f:
+                data_iterator.set_state(json.load(f))
+        elif other_layout is not None:
+            raise FileNotFoundError(f"checkpoint {self.directory}/{step} has a data item without iterator states")
         return {k: restored[k] for k in items if k != "data"}
 
     def wait(self) -> None:

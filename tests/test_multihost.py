@@ -1,9 +1,11 @@
 """Two processes on localhost (8 simulated CPU devices each, gloo collectives) train the same
 steps as one process with 16 devices: distributed init, the hybrid ICI x DCN mesh, per-process
 data shards and process-local batches assembled into global arrays; also with one pipeline
-stage per process, where both processes feed the same rows."""
+stage per process, where both processes feed the same rows. A two-process checkpoint resumes
+in one process (the data iterator's position comes from another process count's files)."""
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,7 +21,7 @@ from jaxtrain.trainer import Trainer
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BINDINGS = ["LlamaConfig.embed=32", "LlamaConfig.layers=2", "LlamaConfig.mlp=64", "LlamaConfig.heads=4",
             "LlamaConfig.kv_heads=2", "TrainConfig.seq_len=32",
-            "TrainConfig.eval_batches=1", "TrainConfig.steps=3", "MeshConfig.data=8"]
+            "TrainConfig.eval_batches=1", "TrainConfig.steps=6", "TrainConfig.checkpoint_every=3", "MeshConfig.data=8"]
 
 
 def free_port() -> int:
@@ -66,3 +68,15 @@ def test_two_processes_match_one(tmp_path, layout, single_process):
 
     np.testing.assert_allclose(multi, single_process, rtol=1e-5)
     assert (tmp_path / "multi" / "checkpoints" / "3" / "data" / "process_1-of-2.json").exists()
+    if layout:
+        return
+    # Resume the two-process run's step 3 in one process: steps 4-6 as the two processes ran them.
+    shutil.copytree(tmp_path / "multi" / "checkpoints" / "3", tmp_path / "resumed" / "checkpoints" / "3")
+    gin.clear_config()
+    parse_gin([DEFAULT_GIN], bindings)
+    try:
+        resumed = Trainer(load_experiment(), str(tmp_path / "resumed")).run()
+    finally:
+        gin.clear_config()
+    assert [h["step"] for h in resumed] == [4, 5, 6]
+    np.testing.assert_allclose([h["loss"] for h in resumed], multi[3:], rtol=1e-5)
