@@ -58,14 +58,15 @@ class Checkpointer:
                 items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
             else:
                 other_layout = sorted(f for f in os.listdir(data_dir) if f.startswith("process_"))
+                if not other_layout:
+                    raise FileNotFoundError(f"checkpoint {self.directory}/{step} has a data item without "
+                                            f"iterator states")
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         if other_layout:
             # Our iterators' state is the number of global batches taken (jaxtrain/data.py), the same
             # in every process's file, so any process's file positions this process's shard.
             with open(os.path.join(data_dir, other_layout[0])) as f:
                 data_iterator.set_state(json.load(f))
-        elif other_layout is not None:
-            raise FileNotFoundError(f"checkpoint {self.directory}/{step} has a data item without iterator states")
         return {k: restored[k] for k in items if k != "data"}
 
     def wait(self) -> None:

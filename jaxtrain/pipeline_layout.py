@@ -7,8 +7,8 @@ stages dimension split over `pipeline`, padding slots zero. Everything outside t
 
 Both directions are gathers with static indices; run under `jit` with out_shardings they
 produce each stage's layers directly on its devices. Any tree whose leaf paths end with a
-parameter's path (optax states nest params-shaped trees) is regrouped leaf by leaf, matching
-paths and shapes exactly like `jaxtrain.state.optimizer_shardings`.
+parameter's path (optax states nest params-shaped trees) is regrouped leaf by leaf
+(`jaxtrain.state.map_param_leaves`, which also lays out the shardings).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.state import map_with_path
+from jaxtrain.state import map_param_leaves
 from meshes.pipeline_split import StagePlan
 from models.layers.params import logical_axes
 
@@ -61,13 +61,8 @@ class PipelineLayout:
         return jnp.take(flat, self.plan.canonical_positions(kind), axis=0)
 
     def _map(self, tree, shapes, regroup):
-        def leaf_fn(path, leaf):
-            for start in range(len(path)):
-                suffix = path[start:]
-                if suffix in self.kind_of and shapes[suffix] == tuple(leaf.shape):
-                    return regroup(self.kind_of[suffix], leaf)
-            return leaf
-        return map_with_path(leaf_fn, tree)
+        stacked = {path: shapes[path] for path in self.kind_of}
+        return map_param_leaves(lambda path, leaf: regroup(self.kind_of[path], leaf), tree, stacked)
 
     def aux_to_canonical(self, aux: dict) -> dict:
         """Per-kind stage aux (`{kind path without "stacks": tree [stages, repeats, slots, ...]}`,

@@ -56,19 +56,26 @@ def optimizer_shardings(abstract_opt_state, abstract_state: nnx.State, mesh, tab
     return shardings_by_path(abstract_opt_state, _names_tree(abstract_state), _shapes_tree(abstract_state), mesh, table)
 
 
-def shardings_by_path(tree, names: dict, shapes: dict, mesh, table: Table):
-    """Each leaf whose path ends with a parameter's path (`names`/`shapes` keys) and has that
-    parameter's shape is laid out by its logical names; every other leaf is replicated."""
-    replicated = NamedSharding(mesh, PartitionSpec())
-
+def map_param_leaves(fn, tree, shapes: dict, other=lambda leaf: leaf):
+    """fn(param_path, leaf) for each leaf whose path ends with a parameter's path (a `shapes`
+    key) and has that parameter's shape — parameters themselves, or their mirrors in an optax
+    state (Adam moments); other(leaf) for the rest (counts)."""
     def for_leaf(path, leaf):
         for start in range(len(path)):
             suffix = path[start:]
-            if suffix in names and shapes[suffix] == tuple(leaf.shape):
-                return named_sharding(mesh, names[suffix], leaf.shape, table)
-        return replicated
+            if suffix in shapes and shapes[suffix] == tuple(leaf.shape):
+                return fn(suffix, leaf)
+        return other(leaf)
 
     return map_with_path(for_leaf, tree)
+
+
+def shardings_by_path(tree, names: dict, shapes: dict, mesh, table: Table):
+    """Parameter leaves and their mirrors (map_param_leaves) are laid out by the parameter's
+    logical names; every other leaf is replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return map_param_leaves(lambda path, leaf: named_sharding(mesh, names[path], leaf.shape, table), tree, shapes,
+                            other=lambda leaf: replicated)
 
 
 def with_shardings(abstract, shardings):

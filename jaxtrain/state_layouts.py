@@ -16,13 +16,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxtrain.checkpoint import STATE_ITEMS
 from jaxtrain.pipeline_layout import PipelineLayout
 from jaxtrain.state import (abstract_model, count_params, init_state, optimizer_shardings, param_shardings,
                             shardings_by_path, state_shardings, with_shardings)
 from meshes.pipeline_split import StagePlan
 from meshes.rules import RuleSet
-
-STATE_ITEMS = ("params", "opt_state")
 
 
 class CanonicalState:
@@ -68,19 +67,22 @@ class StagedState:
         self.disk_abstract = with_shardings({"step": step, "params": disk_params, "opt_state": disk_opt},
                                             self.disk_shardings)
         self.num_params = count_params(disk_params)
+        self._regroupers = {}
 
     def init(self, seed: int) -> dict:
         return init_state(self.model_cfg, self.tx, self.shardings, seed, regroup=self.layout.to_stages)
 
     def from_disk(self, state: dict) -> dict:
         """Restored canonical items (params, maybe opt_state) -> stage layout; other keys as they are."""
-        return self._regroup(state, self.layout.to_stages, self.shardings)
+        return self._regroup(state, "to_stages")
 
     def to_disk(self, state: dict) -> dict:
-        return self._regroup(state, self.layout.to_canonical, self.disk_shardings)
+        return self._regroup(state, "to_canonical")
 
-    @staticmethod
-    def _regroup(state, fn, shardings):
-        items = {k: state[k] for k in STATE_ITEMS if k in state}
-        moved = jax.jit(fn, out_shardings={k: shardings[k] for k in items})(items)
-        return {**state, **moved}
+    def _regroup(self, state, direction: str):
+        items = tuple(k for k in STATE_ITEMS if k in state)
+        if (direction, items) not in self._regroupers:  # one jitted regroup per shape of state, not per save
+            fn, shardings = ((self.layout.to_stages, self.shardings) if direction == "to_stages"
+                             else (self.layout.to_canonical, self.disk_shardings))
+            self._regroupers[direction, items] = jax.jit(fn, out_shardings={k: shardings[k] for k in items})
+        return {**state, **self._regroupers[direction, items]({k: state[k] for k in items})}

@@ -20,7 +20,6 @@ from jaxtrain.data import make_eval_batches, make_train_iterator
 from jaxtrain.flops import peak_flops
 from jaxtrain.metrics import MetricsWriter, device_memory
 from jaxtrain.optim import make_optimizer
-from jaxtrain.pipeline_config import PipelineConfig
 from jaxtrain.train_setup import build_train_setup
 from meshes.mesh import build_mesh, describe
 from meshes.rules import DATA_PARALLEL_AXES, get_rule_set
@@ -38,10 +37,8 @@ def check_layout(exp: Experiment, mesh) -> None:
     if t.seq_len % sizes["context"]:
         raise ValueError(f"seq_len={t.seq_len} is not divisible by the context axis size {sizes['context']}")
     exp.model.validate(sizes)
-    if sizes["pipeline"] > 1:  # schedule vs microbatches, and the layer split (sums, no empty stage)
-        pipeline = exp.pipeline or PipelineConfig()
-        pipeline.validate(sizes["pipeline"], t.microbatches)
-        pipeline.plan(exp.model, sizes["pipeline"])
+    # The pipeline (schedule vs microbatches, the layer split) is checked by build_train_setup,
+    # which every caller runs next, still before anything is compiled or written.
 
 
 class Trainer:

@@ -71,8 +71,7 @@ class StageProgram:
     """
 
     def __init__(self, model, runs, passes: int, remat: str = "none"):
-        if remat not in STAGE_REMAT:
-            raise ValueError(f"unknown pipeline remat {remat!r}; choose one of {STAGE_REMAT}")
+        """`remat`: one of STAGE_REMAT (checked with the config by PipelineConfig.validate)."""
         stacks = layer_stacks(model)
         self.graphdefs = {k: nnx.graphdef(s.layers) for k, s in stacks.items()}
         self.layer_remat = {}
