@@ -10,7 +10,9 @@ from jaxtrain.data import DataConfig
 from jaxtrain.mesh_configurable import GinMeshConfig
 from jaxtrain.optim import OptimizerConfig
 from jaxtrain.pipeline_config import PipelineConfig
+from meshes.context_layout import AllGatherKV, ContextParallel, Contiguous, LoadBalanced, RingKV
 from meshes.mesh_config import MeshConfig
+from models.layers.attention_impl import AutoAttention, BlockwiseAttention, MaterializedAttention, PallasAttention
 from models.layers.rope import Llama3Scaling, LinearScaling, NoScaling, YarnScaling
 from models.deepseek import DeepSeekConfig
 from models.layers.router import RouterConfig
@@ -20,8 +22,11 @@ from models.mamba2 import Mamba2Config
 from models.nemotron_h import NemotronHConfig
 
 for _cls in (LlamaConfig, DeepSeekConfig, RouterConfig, NoScaling, LinearScaling, Llama3Scaling, YarnScaling,
-             NemotronHConfig, Mamba2Config, SSMConfig):
+             NemotronHConfig, Mamba2Config, SSMConfig, AutoAttention, BlockwiseAttention, MaterializedAttention,
+             PallasAttention):
     gin.external_configurable(_cls, module="models")
+for _cls in (ContextParallel, Contiguous, LoadBalanced, RingKV, AllGatherKV):
+    gin.external_configurable(_cls, module="meshes")
 GinDataConfig = gin.external_configurable(DataConfig, name="DataConfig", module="jaxtrain")
 GinOptimizerConfig = gin.external_configurable(OptimizerConfig, name="OptimizerConfig", module="jaxtrain")
 
@@ -44,6 +49,9 @@ class TrainConfig:
     keep_checkpoints: int = 3
     async_checkpoint: bool = True
     peak_flops_per_device: float | None = None  # overrides the device table for MFU
+    # The sequence over the `context` axis: layout (LoadBalanced | Contiguous) and how ranks see
+    # each other's keys (RingKV | AllGatherKV); meshes/context_layout.py.
+    context_parallel: ContextParallel = ContextParallel()
 
     def validate(self) -> None:
         for name in ("steps", "global_batch", "seq_len", "microbatches", "log_every", "eval_batches",

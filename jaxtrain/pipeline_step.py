@@ -17,6 +17,7 @@ from flax import nnx
 
 from jaxtrain.pipeline_layout import PipelineLayout
 from jaxtrain.step import _aux_loss, moe_metrics, split_microbatches
+from meshes.context_layout import to_device_order
 from meshes.pipeline import run_pipeline
 from meshes.rules import constrain
 from models.causal_lm import RESIDUAL
@@ -36,7 +37,7 @@ class PipelinedGradients:
         """((nll, z, correct) sums, aux per stack in the stage layout)."""
         plan = self.layout.plan
         model = nnx.merge(self.graphdef, params)
-        mbs = split_microbatches(batch, self.microbatches)
+        mbs = split_microbatches(to_device_order(batch), self.microbatches)
         x = constrain(model.embed(mbs["inputs"]), (None,) + RESIDUAL)
         program = StageProgram(model, plan.runs(), plan.repeats, self.remat)
         stage_params = {kind: _subtree(params, kind + ("layers",)) for kind in plan.kinds}

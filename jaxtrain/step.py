@@ -12,6 +12,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from meshes.context_layout import ContextParallel, to_device_order, use_context_parallel
 from meshes.rules import RuleSet, constrain, named_sharding, use_rules
 from models.loss import chunked_cross_entropy
 
@@ -27,6 +28,7 @@ def batch_shardings(mesh, rules: RuleSet, global_batch: int, seq_len: int) -> di
 def _forward_sums(graphdef, params, batch, *, loss_chunk, z_loss):
     """Token sums (nll, z-loss, correct) and the model's auxiliary outputs (MoE statistics)."""
     model = nnx.merge(graphdef, params)
+    batch = to_device_order(batch)  # the context layout's token order; every key moves alike
     hidden, aux = model.hidden(batch["inputs"], batch["positions"], batch["segment_ids"])
     nll, z, correct = chunked_cross_entropy(model.logits, hidden, batch["targets"], batch["loss_mask"],
                                             chunk=loss_chunk, z_loss=z_loss)
@@ -128,14 +130,16 @@ class AccumulatedGradients:
 
 
 def make_train_step(graphdef, tx, schedule, *, mesh, rules: RuleSet, state_shardings, batch_sharding,
-                    microbatches: int = 1, loss_chunk: int = 1024, z_loss: float = 0.0, gradients=None):
+                    microbatches: int = 1, loss_chunk: int = 1024, z_loss: float = 0.0, gradients=None,
+                    context_parallel: ContextParallel = ContextParallel()):
     """`gradients`: how the batch's gradient is computed (AccumulatedGradients from
-    microbatches/loss_chunk/z_loss when None, or pipeline_step.PipelinedGradients)."""
+    microbatches/loss_chunk/z_loss when None, or pipeline_step.PipelinedGradients);
+    `context_parallel`: the sequence layout and K/V exchange over the `context` axis."""
     if gradients is None:
         gradients = AccumulatedGradients(graphdef, microbatches=microbatches, loss_chunk=loss_chunk, z_loss=z_loss)
 
     def step(state, batch):
-        with use_rules(mesh, rules):
+        with use_rules(mesh, rules), use_context_parallel(context_parallel):
             params = state["params"]
             total_tokens = jnp.maximum(batch["loss_mask"].sum(), 1.0)
             grads, sums, aux = gradients(params, batch, total_tokens)
@@ -164,14 +168,14 @@ def make_train_step(graphdef, tx, schedule, *, mesh, rules: RuleSet, state_shard
 
 
 def make_eval_step(graphdef, *, mesh, rules: RuleSet, params_shardings, batch_sharding, loss_chunk: int,
-                   forward=None):
+                   forward=None, context_parallel: ContextParallel = ContextParallel()):
     """Sums (nll, tokens, correct) over a batch; callers divide after summing batches.
     `forward(params, batch) -> (nll, z, correct)`: the whole-batch forward by default."""
     if forward is None:
         forward = AccumulatedGradients(graphdef, microbatches=1, loss_chunk=loss_chunk, z_loss=0.0).sums
 
     def step(params, batch):
-        with use_rules(mesh, rules):
+        with use_rules(mesh, rules), use_context_parallel(context_parallel):
             nll, _, correct = forward(params, batch)
         return {"nll": nll, "tokens": batch["loss_mask"].sum(), "correct": correct}
 

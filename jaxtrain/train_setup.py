@@ -45,8 +45,11 @@ def build_train_setup(model_cfg, train, tx, lr_schedule, mesh, rules: RuleSet,
         gradients = AccumulatedGradients(state.graphdef, **kw)
         summary = ""
     bsh = batch_shardings(mesh, rules, train.global_batch, train.seq_len)
+    cp = train.context_parallel
     train_step = make_train_step(state.graphdef, tx, lr_schedule, mesh=mesh, rules=rules,
-                                 state_shardings=state.shardings, batch_sharding=bsh, gradients=gradients)
+                                 state_shardings=state.shardings, batch_sharding=bsh, gradients=gradients,
+                                 context_parallel=cp)
     eval_step = make_eval_step(state.graphdef, mesh=mesh, rules=rules, params_shardings=state.shardings["params"],
-                               batch_sharding=bsh, loss_chunk=train.loss_chunk, forward=gradients.sums)
+                               batch_sharding=bsh, loss_chunk=train.loss_chunk, forward=gradients.sums,
+                               context_parallel=cp)
     return TrainSetup(state, gradients, bsh, train_step, eval_step, summary)

@@ -36,7 +36,14 @@ def check_layout(exp: Experiment, mesh) -> None:
                          f"(data x expert = {' x '.join(str(sizes[a]) for a in DATA_PARALLEL_AXES)})")
     if t.seq_len % sizes["context"]:
         raise ValueError(f"seq_len={t.seq_len} is not divisible by the context axis size {sizes['context']}")
+    try:
+        t.context_parallel.validate(t.seq_len, sizes["context"])
+    except ValueError as e:
+        raise ValueError(f"TrainConfig.seq_len={t.seq_len}: {e}") from None
     exp.model.validate(sizes)
+    attention = getattr(exp.model, "attention", None)
+    if attention is not None and hasattr(attention, "check_backend"):
+        attention.check_backend(mesh.devices.flat[0].platform)
     # The pipeline (schedule vs microbatches, the layer split) is checked by build_train_setup,
     # which every caller runs next, still before anything is compiled or written.
 

@@ -12,6 +12,7 @@ from flax import nnx
 
 from models.causal_lm import CausalLM, add_residual
 from models.dtypes import dtype_from_name
+from models.layers.attention_impl import AutoAttention, check_attention
 from models.layers.mla import MultiHeadLatentAttention, mla_softmax_scale
 from models.layers.mlp import SwiGLU
 from models.layers.moe import MoEBlock
@@ -47,6 +48,7 @@ class DeepSeekConfig:
     dtype: str = "float32"
     remat: str = "none"
     kernels: str = "xla"  # MoE routing / grouped matmul: auto | pallas | xla
+    attention: object = AutoAttention()  # models/layers/attention_impl.py
 
     @property
     def moe_layers(self) -> int:
@@ -61,6 +63,7 @@ class DeepSeekConfig:
         if self.mlp % tensor:
             raise ValueError(f"DeepSeekConfig.mlp={self.mlp} is not divisible by the tensor axis size {tensor}")
         self.router.validate()
+        check_attention(self.attention, "DeepSeekConfig")
 
     def build(self, rngs: nnx.Rngs) -> CausalLM:
         stacks = {}
@@ -114,7 +117,7 @@ class DeepSeekBlock(nnx.Module):
             inv_freq=cfg.rope_scaling.inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta),
             softmax_scale=mla_softmax_scale(qk_head_dim, cfg.rope_scaling),
             rope_attention_factor=rope_attention_factor(cfg.rope_scaling), norm_eps=cfg.latent_norm_eps,
-            use_bias=cfg.attention_bias, **kw)
+            use_bias=cfg.attention_bias, attention=cfg.attention, **kw)
         self.mlp_norm = RMSNorm(cfg.embed, rngs=rngs, eps=cfg.norm_eps)
         if moe:
             shared = SwiGLU(cfg.embed, cfg.shared_experts * cfg.expert_mlp, **kw) if cfg.shared_experts else None

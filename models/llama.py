@@ -9,6 +9,7 @@ from flax import nnx
 from models.causal_lm import CausalLM, add_residual
 from models.dtypes import dtype_from_name
 from models.layers.attention import GroupedQueryAttention
+from models.layers.attention_impl import AutoAttention, check_attention
 from models.layers.mlp import SwiGLU
 from models.layers.norm import RMSNorm
 from models.layers.rope import NoScaling
@@ -33,6 +34,7 @@ class LlamaConfig:
     init_std: float = 0.02
     dtype: str = "float32"  # compute dtype; parameters stay float32
     remat: str = "none"
+    attention: object = AutoAttention()  # models/layers/attention_impl.py
 
     @property
     def resolved_head_dim(self) -> int:
@@ -54,6 +56,7 @@ class LlamaConfig:
                 raise ValueError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)}")
         if self.resolved_head_dim % 2:
             raise ValueError(f"LlamaConfig head_dim={self.resolved_head_dim} must be even (rotary dims come in pairs)")
+        check_attention(self.attention, "LlamaConfig")
 
     def build(self, rngs: nnx.Rngs) -> CausalLM:
         return build_llama(self, rngs)
@@ -79,7 +82,7 @@ class LlamaBlock(nnx.Module):
         self.attn = GroupedQueryAttention(
             cfg.embed, cfg.heads, cfg.kv_heads, cfg.resolved_head_dim,
             inv_freq=cfg.rope_scaling.inv_freq(cfg.resolved_head_dim, cfg.rope_theta),
-            rngs=rngs, use_bias=cfg.attention_bias, init_std=cfg.init_std, dtype=dtype)
+            rngs=rngs, use_bias=cfg.attention_bias, init_std=cfg.init_std, dtype=dtype, attention=cfg.attention)
         self.mlp_norm = RMSNorm(cfg.embed, rngs=rngs, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg.embed, cfg.mlp, rngs=rngs, use_bias=cfg.mlp_bias, init_std=cfg.init_std, dtype=dtype)
 

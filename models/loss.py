@@ -12,6 +12,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from meshes.context_layout import context_size
+
 
 def token_losses(logits, targets):
     """Per-token negative log-likelihood and log-partition, in float32."""
@@ -25,10 +27,15 @@ def chunked_cross_entropy(logits_fn: Callable, hidden, targets, loss_mask, *, ch
                           z_loss: float = 0.0):
     """Sums over the tokens where loss_mask is set: (nll, z_loss term, correct top-1 count)."""
     b, length = targets.shape
-    chunk = min(chunk, length)
-    if length % chunk:
-        raise ValueError(f"sequence length {length} is not a multiple of the loss chunk {chunk}")
-    n = length // chunk
+    # Under context parallelism each rank loops over chunks of its own part of the sequence
+    # ([b, ranks, chunks, chunk] with `ranks` split over context): a loop over chunks of the
+    # whole row would walk across ranks and make XLA gather hidden states and logit gradients.
+    ranks = context_size() if length % context_size() == 0 else 1
+    chunk = min(chunk, length // ranks)
+    if (length // ranks) % chunk:
+        raise ValueError(f"sequence length {length} / {ranks} context ranks is not a multiple of the loss chunk "
+                         f"{chunk}")
+    n = length // ranks // chunk
 
     @jax.checkpoint
     def one_chunk(h, t, m):
@@ -40,6 +47,9 @@ def chunked_cross_entropy(logits_fn: Callable, hidden, targets, loss_mask, *, ch
     if n == 1:
         sums = one_chunk(hidden, targets, loss_mask)
     else:
-        split = lambda a: jnp.moveaxis(a.reshape((b, n, chunk) + a.shape[2:]), 1, 0)
+        # [b, ranks * n * chunk, ...] -> [n, b, ranks * chunk, ...]: step i takes chunk i of every rank.
+        def split(a):
+            a = a.reshape((b, ranks, n, chunk) + a.shape[2:])
+            return jnp.moveaxis(a, 2, 0).reshape((n, b, ranks * chunk) + a.shape[4:])
         sums = jax.lax.map(lambda xs: one_chunk(*xs), (split(hidden), split(targets), split(loss_mask))).sum(0)
     return sums[0], sums[1], sums[2]

@@ -19,6 +19,7 @@ from flax import nnx
 from models.causal_lm import CausalLM, add_residual
 from models.dtypes import dtype_from_name
 from models.layers.attention import GroupedQueryAttention
+from models.layers.attention_impl import AutoAttention, check_attention
 from models.layers.mamba2 import SSMConfig
 from models.layers.mlp import PlainMLP
 from models.layers.moe import MoEBlock
@@ -53,6 +54,7 @@ class NemotronHConfig:
     dtype: str = "float32"
     remat: str = "none"
     kernels: str = "xla"  # SSD scan, causal conv, MoE routing, grouped matmul: auto | pallas | xla
+    attention: object = AutoAttention()  # models/layers/attention_impl.py
 
     def count(self, kind: str) -> int:
         return sum(1 for k in self.pattern if k == kind)
@@ -81,6 +83,7 @@ class NemotronHConfig:
         if self.count("mamba"):
             self.ssm.validate(tensor, "NemotronHConfig")
         self.router.validate()
+        check_attention(self.attention, "NemotronHConfig")
 
     def build(self, rngs: nnx.Rngs) -> CausalLM:
         dtype = dtype_from_name(self.dtype)
@@ -131,7 +134,8 @@ class AttentionLayer(nnx.Module):
     def __init__(self, cfg: NemotronHConfig, *, rngs: nnx.Rngs):
         self.norm = RMSNorm(cfg.embed, rngs=rngs, eps=cfg.norm_eps)
         self.attn = GroupedQueryAttention(cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim, inv_freq=None, rngs=rngs,
-                                          init_std=cfg.init_std, dtype=dtype_from_name(cfg.dtype))
+                                          init_std=cfg.init_std, dtype=dtype_from_name(cfg.dtype),
+                                          attention=cfg.attention)
 
     def __call__(self, x, positions, segment_ids):
         return add_residual(x, self.attn(self.norm(x), positions, segment_ids)), {}

@@ -51,7 +51,7 @@ def train_losses(mesh_cfg: MeshConfig, *, model=TINY_LLAMA, train=TINY_TRAIN, op
     bsh = batch_shardings(mesh, rule_set, train.global_batch, train.seq_len)
     step_fn = make_train_step(graphdef, tx, schedule, mesh=mesh, rules=rule_set, state_shardings=shardings,
                               batch_sharding=bsh, microbatches=train.microbatches, loss_chunk=train.loss_chunk,
-                              z_loss=train.z_loss)
+                              z_loss=train.z_loss, context_parallel=train.context_parallel)
     if init_params is None:
         state = init_state(model, tx, shardings, seed)
     else:

@@ -66,6 +66,11 @@ def in_process(args, capsys):
     (["TrainConfig.nonexistent=3"], "nonexistent"),
     (["MeshConfig.data=2"], "needs 4 devices but 16 are available"),
     (["TrainConfig.global_batch=6"], "not divisible by the data-parallel size 8"),
+    # context parallelism: the load-balanced order needs 2 x context chunks
+    (["MeshConfig.data=4", "MeshConfig.context=2", "TrainConfig.seq_len=34"],
+     "TrainConfig.seq_len=34: sequence length 34 is not divisible by context=2 x 2 chunks per rank"),
+    (["LlamaConfig.attention='flash'"], "LlamaConfig.attention must be one of MaterializedAttention()"),
+    (["LlamaConfig.attention=@PallasAttention()"], "PallasAttention needs a GPU"),
 ])
 def test_bad_input_is_a_clear_error(tmp_path, capsys, bindings, message):
     workdir = tmp_path / "run"

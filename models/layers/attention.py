@@ -6,7 +6,7 @@ import math
 from flax import nnx
 
 from meshes.rules import constrain
-from models.layers.attention_core import attention_mask, dot_product_attention
+from models.layers.attention_impl import AutoAttention
 from models.layers.dense import Dense
 from models.layers.rope import apply_rope
 
@@ -16,7 +16,8 @@ class GroupedQueryAttention(nnx.Module):
     position)."""
 
     def __init__(self, embed: int, heads: int, kv_heads: int, head_dim: int, *, inv_freq,
-                 rngs: nnx.Rngs, use_bias: bool = False, init_std: float = 0.02, dtype=None):
+                 rngs: nnx.Rngs, use_bias: bool = False, init_std: float = 0.02, dtype=None,
+                 attention=AutoAttention()):
         if heads % kv_heads:
             raise ValueError(f"heads={heads} is not a multiple of kv_heads={kv_heads}")
         kw = dict(rngs=rngs, use_bias=use_bias, init_std=init_std, dtype=dtype)
@@ -27,6 +28,7 @@ class GroupedQueryAttention(nnx.Module):
         # static: part of the graph, not state
         self.inv_freq = None if inv_freq is None else tuple(float(f) for f in inv_freq)
         self.scale = 1.0 / math.sqrt(head_dim)
+        self.attention = attention  # static: an implementation strategy (models/layers/attention_impl.py)
 
     def _rope(self, x, positions):
         return x if self.inv_freq is None else apply_rope(x, positions, self.inv_freq)
@@ -35,5 +37,4 @@ class GroupedQueryAttention(nnx.Module):
         q = constrain(self._rope(self.q(x), positions), ("batch", "length", "heads", None))
         k = constrain(self._rope(self.k(x), positions), ("batch", "length", "kv_heads", None))
         v = constrain(self.v(x), ("batch", "length", "kv_heads", None))
-        mask = attention_mask(segment_ids, segment_ids)
-        return self.o(dot_product_attention(q, k, v, mask, scale=self.scale))
+        return self.o(self.attention(q, k, v, segment_ids, scale=self.scale))

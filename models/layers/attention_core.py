@@ -9,10 +9,15 @@ from meshes.rules import constrain
 _MASKED = -1e30  # finite, so fully masked rows (padding) give uniform weights, not NaN
 
 
-def attention_mask(segment_ids_q, segment_ids_k, positions_q=None, positions_k=None):
-    """[b, q, k] boolean: causal within the row and never across packed documents."""
+def attention_mask(segment_ids_q, segment_ids_k, places_q=None, places_k=None):
+    """[b, q, k] boolean: causal within the row and never across packed documents. `places_*`:
+    the tokens' places in the row (default: array order; a context layout may permute them)."""
     q_len, k_len = segment_ids_q.shape[1], segment_ids_k.shape[1]
-    causal = jnp.arange(q_len)[:, None] + (k_len - q_len) >= jnp.arange(k_len)[None, :]
+    if places_q is None:
+        places_q = jnp.arange(q_len) + (k_len - q_len)
+    if places_k is None:
+        places_k = jnp.arange(k_len)
+    causal = places_q[:, None] >= places_k[None, :]
     same_doc = segment_ids_q[:, :, None] == segment_ids_k[:, None, :]
     return causal[None] & same_doc
 

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshes.rules import constrain
-from models.layers.attention_core import attention_mask, dot_product_attention
+from meshes.context_attention import gather_sequence
+from models.layers.attention_impl import AutoAttention
 from models.layers.dense import Dense
 from models.layers.norm import RMSNorm
 from models.layers.rope import YarnScaling, apply_rope_interleaved
@@ -42,7 +43,8 @@ class MultiHeadLatentAttention(nnx.Module):
     def __init__(self, embed: int, heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, inv_freq,
                  softmax_scale: float, rope_attention_factor: float = 1.0, norm_eps: float = 1e-6,
-                 rngs: nnx.Rngs, use_bias: bool = False, init_std: float = 0.02, dtype=None):
+                 rngs: nnx.Rngs, use_bias: bool = False, init_std: float = 0.02, dtype=None,
+                 attention=AutoAttention()):
         if qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim={qk_rope_head_dim} must be even (rotary dims come in pairs)")
         if len(inv_freq) != qk_rope_head_dim // 2:
@@ -70,6 +72,7 @@ class MultiHeadLatentAttention(nnx.Module):
         self.q_lora_rank, self.nope = q_lora_rank, qk_nope_head_dim
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: part of the graph, not state
         self.softmax_scale, self.rope_attention_factor = float(softmax_scale), float(rope_attention_factor)
+        self.attention = attention  # static: an implementation strategy (models/layers/attention_impl.py)
 
     def _rope(self, x, positions):
         return apply_rope_interleaved(x, positions, self.inv_freq, self.rope_attention_factor)
@@ -79,12 +82,17 @@ class MultiHeadLatentAttention(nnx.Module):
         q = constrain(q, PER_HEAD)
         q = jnp.concatenate([q[..., :self.nope], self._rope(q[..., self.nope:], positions)], axis=-1)
 
+        # Under context parallelism only the compressed latent and the shared rotary key cross
+        # the network (kv_lora + rope values per token); every rank up-projects the whole
+        # sequence's keys and values locally instead of receiving per-head ones.
         latent = constrain(self.kv_norm(self.kv_down(x)), ("batch", "length", "kv_lora"))
-        kv = constrain(self.kv_up(latent), PER_HEAD)
-        k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
+        latent = gather_sequence(latent, ("batch", "length", "kv_lora"))
         k_rope = self._rope(self.k_rope(x)[:, :, None, :], positions)  # one rotary key for all heads
+        k_rope = gather_sequence(constrain(k_rope, ("batch", "length", None, None)), ("batch", "length", None, None))
+        whole = ("batch", None, "heads", None)  # the sequence whole: keys for every query of this rank
+        kv = constrain(self.kv_up(latent), whole)
+        k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
         k_rope = jnp.broadcast_to(k_rope, k_nope.shape[:-1] + k_rope.shape[-1:])
-        k = constrain(jnp.concatenate([k_nope, k_rope.astype(k_nope.dtype)], axis=-1), PER_HEAD)
-
-        mask = attention_mask(segment_ids, segment_ids)
-        return self.o(dot_product_attention(q, k, v, mask, scale=self.softmax_scale))
+        k = constrain(jnp.concatenate([k_nope, k_rope.astype(k_nope.dtype)], axis=-1), whole)
+        return self.o(self.attention(q, k, v, segment_ids, scale=self.softmax_scale, kv_whole=True,
+                                     kv_head_name="heads"))

@@ -1,0 +1,100 @@
+"""Attention under a mesh: each device attends its own queries, the `context` axis splits the
+sequence for real.
+
+One `shard_map` over the whole mesh (batch over the data axes, heads over `tensor`, the
+sequence over `context`) runs a single-device attention kernel (pallas_kernels/flash_attention)
+on every device's shard. How a rank sees the keys of other ranks is the context-parallel
+setting's choice (meshes/context_layout.py):
+
+  RingKV        K/V blocks travel around the context ring (meshes/ring_attention.py)
+  AllGatherKV   K/V gathered over `context` once, inside the shard_map
+  kv_whole      the caller already holds whole-sequence K/V (MLA gathers its small latent
+                and up-projects locally, so per-head keys never cross the network)
+
+Token places from the layout give the causal mask, so the load-balanced order is exact.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshes.context_layout import AllGatherKV, active_context_parallel, device_order
+from meshes.ring_attention import ring_attention
+from meshes.rules import _ACTIVE, spec_for
+from pallas_kernels.flash_attention import flash_attention
+
+Q_NAMES = ("batch", "length", "heads", None)
+KV_NAMES = ("batch", "length", "kv_heads", None)
+ROW_NAMES = ("batch", "length")
+
+
+def sequence_order(length: int):
+    """Token places in the order the active layout holds them: [length] int32 numpy (0..L-1
+    without context parallelism)."""
+    active = _ACTIVE.get()
+    context = 1 if active is None else active[0].shape["context"]
+    if context == 1:
+        return np.arange(length, dtype=np.int32)
+    return device_order(active_context_parallel().layout, length, context)
+
+
+def sharded_attention(q, k, v, segment_ids, *, scale: float, impl: str, block_q=None, block_k=None,
+                      kv_whole: bool = False, kv_head_name: str = "kv_heads"):
+    """q [b, l, h, d]; k, v [b, l or L, kv, d|dv]; segment_ids [b, l] -> [b, l, h, dv].
+
+    Outside `use_rules` it is one kernel call. `kv_whole`: k and v span the whole sequence (in
+    device order) on every context rank. `kv_head_name`: the logical name of k/v's head dim.
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        return flash_attention(q, k, v, segment_ids, segment_ids, scale=scale, impl=impl, block_q=block_q,
+                               block_k=block_k)
+    mesh, rules = active
+    context = mesh.shape["context"]
+    settings = active_context_parallel()
+    kernel = (float(scale), impl, block_q, block_k)
+    order = device_order(settings.layout, q.shape[1], context) if context > 1 else np.arange(q.shape[1],
+                                                                                             dtype=np.int32)
+    table = rules.activations
+    kv_names = (KV_NAMES[0], None) + KV_NAMES[2:] if kv_whole else KV_NAMES
+    kv_names = kv_names[:2] + (kv_head_name,) + kv_names[3:]
+    q_spec = spec_for(Q_NAMES, q.shape, table, mesh)
+    kv_spec = spec_for(kv_names, k.shape, table, mesh)
+    v_spec = spec_for(kv_names, v.shape, table, mesh)
+    row_spec = spec_for(ROW_NAMES, segment_ids.shape, table, mesh)
+    length_axes = q_spec[1]  # "context", or None when the sequence is not split
+    gather_kv = kv_whole or isinstance(settings.kv_exchange, AllGatherKV)
+
+    def local(q, k, v, seg, order):
+        rank = jax.lax.axis_index(length_axes) if length_axes else 0
+        places = jax.lax.dynamic_slice_in_dim(order, rank * q.shape[1], q.shape[1])
+        if not length_axes:
+            return flash_attention(q, k, v, seg, seg, places, places, scale=scale, impl=impl, block_q=block_q,
+                                   block_k=block_k)
+        if not gather_kv:
+            return ring_attention(q, k, v, seg, order, length_axes, context, kernel)
+        all_seg = jax.lax.all_gather(seg, length_axes, axis=1, tiled=True)
+        if not kv_whole:
+            k, v = (jax.lax.all_gather(a, length_axes, axis=1, tiled=True) for a in (k, v))
+        return flash_attention(q, k, v, seg, all_seg, places, order, scale=scale, impl=impl, block_q=block_q,
+                               block_k=block_k)
+
+    place = lambda a, spec: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
+    # check_vma=False: pallas_call outputs carry no varying-axes annotation (see ARCHITECTURE.md).
+    run = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, v_spec, row_spec, PartitionSpec()),
+                        out_specs=PartitionSpec(*q_spec[:3], None), check_vma=False)
+    return run(place(q, q_spec), place(k, kv_spec), place(v, v_spec), place(segment_ids, row_spec),
+               jax.numpy.asarray(order))
+
+
+def gather_sequence(x, names):
+    """`x` whole along its `length` dim on every device (an all-gather over `context`), still
+    split as `names` says along its other dims. A no-op without context parallelism."""
+    active = _ACTIVE.get()
+    if active is None or active[0].shape["context"] == 1:
+        return x
+    mesh, rules = active
+    whole = tuple(None if n == "length" else n for n in names)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(whole, x.shape, rules.activations,
+                                                                               mesh)))

@@ -1,0 +1,98 @@
+"""Context parallelism: the sequence split over `context` (ring or all-gather K/V, load-balanced or
+contiguous order; MLA gathering only its latent) gives the losses and parameters of one device over
+three train steps, for Llama and DeepSeek, alone and combined with tensor, data, FSDP and folded
+experts. Batches are packed rows whose documents straddle the context ranks' chunks."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import TINY_LLAMA, assert_trees_close, initial_params, train_losses, with_train
+from meshes.context_layout import AllGatherKV, ContextParallel, Contiguous, LoadBalanced, RingKV, device_order
+from meshes.mesh import MeshConfig
+from test_deepseek import TINY_DEEPSEEK
+
+# 32 tokens: 2 x context chunks of 4-16 tokens, so the 1-3 documents of a row cross chunk edges.
+TRAIN = with_train(seq_len=32)
+LLAMA = dataclasses.replace(TINY_LLAMA, kv_heads=2)  # GQA: two query heads per kv head
+
+
+def _context(layout, kv):
+    return ContextParallel(layout=layout(), kv_exchange=kv())
+
+
+@pytest.fixture(scope="module")
+def llama_init():
+    return initial_params(LLAMA)
+
+
+@pytest.fixture(scope="module")
+def llama_single(llama_init):
+    return train_losses(MeshConfig(data=1), model=LLAMA, train=TRAIN, devices=jax.devices()[:1],
+                        init_params=llama_init)
+
+
+LLAMA_LAYOUTS = {
+    "context2_ring_balanced": (MeshConfig(context=2, data=8), "dp", _context(LoadBalanced, RingKV)),
+    "context4_allgather_balanced_tensor2_data2": (MeshConfig(context=4, data=2, tensor=2), "dp",
+                                                  _context(LoadBalanced, AllGatherKV)),
+    "context4_ring_contiguous_fsdp_data4": (MeshConfig(context=4, data=4), "fsdp", _context(Contiguous, RingKV)),
+    "context2_ring_sequence_parallel_tensor2_data4": (MeshConfig(context=2, data=4, tensor=2), "fsdp_sp",
+                                                      _context(LoadBalanced, RingKV)),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LLAMA_LAYOUTS))
+def test_llama_context_parallel_matches_one_device(llama_single, llama_init, layout):
+    mesh_cfg, rules, cp = LLAMA_LAYOUTS[layout]
+    ref_losses, ref_params = llama_single
+    losses, params = train_losses(mesh_cfg, model=LLAMA, train=dataclasses.replace(TRAIN, context_parallel=cp),
+                                  rules=rules, init_params=llama_init)
+    assert np.all(np.isfinite(losses)) and np.all(np.isfinite(ref_losses))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(params, ref_params, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def deepseek_init():
+    return initial_params(TINY_DEEPSEEK)
+
+
+@pytest.fixture(scope="module")
+def deepseek_single(deepseek_init):
+    return train_losses(MeshConfig(data=1), model=TINY_DEEPSEEK, train=TRAIN, devices=jax.devices()[:1],
+                        init_params=deepseek_init)
+
+
+DEEPSEEK_LAYOUTS = {
+    # MLA: the latent and the rotary key are gathered over context, never per-head keys.
+    "context2_folded_experts_fsdp_tensor2_data4": (MeshConfig(context=2, data=4, tensor=2), "fsdp+experts_folded"),
+    "context4_data4_folded_experts": (MeshConfig(context=4, data=4), "dp+experts_folded"),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(DEEPSEEK_LAYOUTS))
+def test_deepseek_mla_context_parallel_matches_one_device(deepseek_single, deepseek_init, layout):
+    mesh_cfg, rules = DEEPSEEK_LAYOUTS[layout]
+    ref_losses, ref_params = deepseek_single
+    losses, params = train_losses(mesh_cfg, model=TINY_DEEPSEEK, train=TRAIN, rules=rules, init_params=deepseek_init)
+    assert np.all(np.isfinite(losses)) and np.all(np.isfinite(ref_losses))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(params, ref_params, rtol=1e-4, atol=1e-4)
+
+
+def test_load_balanced_order_gives_every_rank_the_same_causal_work():
+    context, length = 4, 64
+    order = device_order(LoadBalanced(), length, context).reshape(context, -1)
+    work = (order + 1).sum(axis=1)  # keys a query at place p sees: p + 1
+    assert len(set(work.tolist())) == 1
+    assert sorted(order.reshape(-1).tolist()) == list(range(length))
+    contiguous = (device_order(Contiguous(), length, context).reshape(context, -1) + 1).sum(axis=1)
+    assert contiguous[-1] > 6 * contiguous[0]  # what the balanced order avoids
+
+
+def test_layout_that_does_not_divide_the_sequence_is_refused():
+    with pytest.raises(ValueError, match="not divisible by context=4 x 2 chunks per rank"):
+        ContextParallel().validate(36, 4)
+    ContextParallel(layout=Contiguous()).validate(36, 4)  # one chunk per rank: 36 / 4 is fine
