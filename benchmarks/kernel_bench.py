@@ -2,10 +2,11 @@
 
 Roofline time = max(bytes / measured copy bandwidth, FLOPs / measured bf16
 matmul rate); "% roof" = roofline time / kernel time. Shapes are the real
-models': DeepSeek-V2-Lite experts and Nemotron-3-Nano Mamba layers.
+models': DeepSeek-V2-Lite experts and MLA attention, Llama-style GQA attention and
+Nemotron-3-Nano Mamba layers.
 Every section is guarded: an error prints and the next section runs.
 
-  python benchmarks/kernel_bench.py [--sections gmm,route,ssd,conv] [--quick]
+  python benchmarks/kernel_bench.py [--sections gmm,route,ssd,conv,flash] [--quick]
   python benchmarks/kernel_bench.py --smoke   # tiny shapes: checks the script
 """
 
@@ -26,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels.causal_conv1d import causal_conv1d  # noqa: E402
+from pallas_kernels.flash_attention import flash_attention  # noqa: E402
 from pallas_kernels.grouped_matmul import grouped_matmul  # noqa: E402
 from pallas_kernels.moe_routing import route  # noqa: E402
 from pallas_kernels.ssd_scan import ssd_scan  # noqa: E402
@@ -292,7 +294,35 @@ def bench_conv(roof, quick):
         )
 
 
-SECTIONS = {"gmm": bench_gmm, "route": bench_route, "ssd": bench_ssd, "conv": bench_conv}
+def bench_flash(roof, quick):
+    """Causal flash attention, one document: Llama-3-8B GQA (32/8 heads x 128) and
+    DeepSeek-V2-Lite MLA (16 heads, d=192, dv=128)."""
+    cases = [("gqa 32/8 d=128", size((32, 8, 128, 128), (4, 2, 24, 8))),
+             ("mla 16/16 d=192 dv=128", size((16, 16, 192, 128), (2, 2, 24, 16)))]
+    rng = np.random.default_rng(4)
+    for name, (h, kv, d, dv) in cases:
+        for seq in size([4096] if quick else [4096, 16384], [40]):
+            q = jnp.asarray(rng.standard_normal((1, seq, h, d)), BF16)
+            k = jnp.asarray(rng.standard_normal((1, seq, kv, d)), BF16)
+            v = jnp.asarray(rng.standard_normal((1, seq, kv, dv)), BF16)
+            seg = jnp.zeros((1, seq), jnp.int32)
+            flops = h * seq * seq * (d + dv)  # two matmuls over the causal half
+            nbytes = 2 * seq * (h * d + kv * (d + dv) + h * dv)
+            fwd = lambda impl: jax.jit(lambda a, b, c: flash_attention(a, b, c, seg, seg, scale=d**-0.5, impl=impl))
+            add_row("flash", f"{name} fwd l={seq}", time_ms(fwd("pallas"), q, k, v), time_ms(fwd("xla"), q, k, v),
+                    roof.ms(nbytes, flops))
+
+            def grads(impl):
+                loss = lambda a, b, c: jnp.sum(
+                    flash_attention(a, b, c, seg, seg, scale=d**-0.5, impl=impl).astype(jnp.float32))
+                return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+            # backward: 5 matmuls over the causal half, plus the forward's 2
+            add_row("flash", f"{name} fwd+bwd l={seq}", time_ms(grads("pallas"), q, k, v),
+                    time_ms(grads("xla"), q, k, v), roof.ms(3 * nbytes, 3.5 * flops))
+
+
+SECTIONS = {"gmm": bench_gmm, "route": bench_route, "ssd": bench_ssd, "conv": bench_conv, "flash": bench_flash}
 
 
 def main():
