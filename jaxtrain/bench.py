@@ -4,7 +4,9 @@ For each layout (default: the config's own), compiles the train step on abstract
 prints XLA's per-device memory (arguments, outputs, temporaries) and collective counts; unless
 --compile_only, also runs it and prints step time, tokens/s and MFU. A layout may also set the
 pipeline: `pipeline=4,schedule=interleaved2,microbatches=8,split=7/7/7/6` (the pipeline
-bubble fraction is printed with it). Layouts run side by side
+bubble fraction is printed with it), and the attention and context parallelism:
+`context=16,attention=blockwise,kv=ring,order=balanced` (attention=materialized|blockwise|
+pallas|auto, kv=ring|allgather, order=balanced|contiguous). Layouts run side by side
 in one process, so their ratios are comparable even on a noisy machine. Compile-only sizing
 allocates nothing, so full-size models can be sized on CPU.
 """
@@ -22,13 +24,22 @@ from jaxtrain.launch import add_common_flags, fail, start
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
+ATTENTION_KEYS = ("materialized", "blockwise", "pallas", "auto")
+KV_KEYS = ("ring", "allgather")
+ORDER_KEYS = ("balanced", "contiguous")
+
+
 def parse_layout(spec: str) -> tuple[dict, str | None, dict]:
-    """(mesh axis sizes, rule table or None, other settings: microbatches, schedule, split)."""
+    """(mesh axis sizes, rule table or None, other settings: microbatches, schedule, split,
+    attention, kv, order)."""
     mesh, rules, other = {}, None, {}
     for part in filter(None, spec.split(",")):
         key, _, value = part.partition("=")
         if key == "rules":
             rules = value
+        elif (key, value) in [("attention", v) for v in ATTENTION_KEYS] + [("kv", v) for v in KV_KEYS] + \
+                [("order", v) for v in ORDER_KEYS]:
+            other[key] = value
         elif key in ("pipeline", "data", "context", "expert", "tensor", "microbatches"):
             (mesh if key != "microbatches" else other)[key] = int(value)
         elif key == "schedule" and (value == "gpipe" or value.startswith("interleaved")):
@@ -37,7 +48,8 @@ def parse_layout(spec: str) -> tuple[dict, str | None, dict]:
             other[key] = tuple(int(n) for n in value.split("/"))
         else:
             raise ValueError(f"layout {spec!r}: unknown key or value {part!r} (mesh axes, rules, microbatches, "
-                             f"schedule=gpipe|interleavedV, split=a/b/...)")
+                             f"schedule=gpipe|interleavedV, split=a/b/..., attention={'|'.join(ATTENTION_KEYS)}, "
+                             f"kv={'|'.join(KV_KEYS)}, order={'|'.join(ORDER_KEYS)})")
     return mesh, rules, other
 
 
@@ -46,6 +58,7 @@ def apply_layout(base, mesh_sizes: dict, rules: str | None, other: dict):
     import dataclasses
 
     from jaxtrain.pipeline_config import PipelineConfig
+    from meshes.context_layout import AllGatherKV, Contiguous, LoadBalanced, RingKV
     from meshes.pipeline_schedules import GPipe, Interleaved
 
     full = {a: 1 for a in ("pipeline", "data", "context", "expert", "tensor")} if mesh_sizes else {}
@@ -58,8 +71,22 @@ def apply_layout(base, mesh_sizes: dict, rules: str | None, other: dict):
                                        Interleaved(int(v) if v else 2))
     if "split" in other:
         pipeline = dataclasses.replace(pipeline, stages_layers=other["split"])
-    return dataclasses.replace(base, mesh=dataclasses.replace(base.mesh, **{**full, **mesh_sizes}), train=train,
-                               pipeline=pipeline)
+    model = base.model
+    if "attention" in other:
+        model = dataclasses.replace(model, attention=_attention(other["attention"]))
+    cp = train.context_parallel
+    if "kv" in other:
+        cp = dataclasses.replace(cp, kv_exchange=RingKV() if other["kv"] == "ring" else AllGatherKV())
+    if "order" in other:
+        cp = dataclasses.replace(cp, layout=LoadBalanced() if other["order"] == "balanced" else Contiguous())
+    return dataclasses.replace(base, model=model, mesh=dataclasses.replace(base.mesh, **{**full, **mesh_sizes}),
+                               train=dataclasses.replace(train, context_parallel=cp), pipeline=pipeline)
+
+
+def _attention(name: str):
+    from models.layers import attention_impl as impl
+    return {"materialized": impl.MaterializedAttention(), "blockwise": impl.BlockwiseAttention(),
+            "pallas": impl.PallasAttention(), "auto": impl.AutoAttention()}[name]
 
 
 def bench_layout(exp, *, steps: int, compile_only: bool) -> dict:
@@ -68,7 +95,7 @@ def bench_layout(exp, *, steps: int, compile_only: bool) -> dict:
     import numpy as np
 
     from jaxtrain.flops import peak_flops
-    from jaxtrain.hlo_stats import collective_stats
+    from jaxtrain.hlo_stats import collective_stats, executed_collective_stats
     from jaxtrain.optim import make_optimizer
     from jaxtrain.train_setup import build_train_setup
     from jaxtrain.trainer import check_layout
@@ -92,7 +119,9 @@ def bench_layout(exp, *, steps: int, compile_only: bool) -> dict:
     if mem is not None:
         for name in ("argument", "output", "temp", "generated_code"):
             out[f"{name}_gb"] = getattr(mem, f"{name}_size_in_bytes", 0) / 2**30
-    out["collectives"] = collective_stats(compiled.as_text())
+    hlo = compiled.as_text()
+    out["collectives"] = collective_stats(hlo)  # each instruction once
+    out["executed"] = executed_collective_stats(hlo)  # each run counted: loop bodies x trips
     if hasattr(setup.gradients, "bubble"):
         out["bubble"] = setup.gradients.bubble
     if compile_only:
@@ -121,8 +150,9 @@ def bench_layout(exp, *, steps: int, compile_only: bool) -> dict:
 
 
 def format_row(name: str, r: dict) -> str:
-    coll = r.get("collectives", {})
+    coll = r.get("executed", {})
     coll_text = " ".join(f"{op}:{v['count']}/{v['bytes'] / 2**20:.1f}MiB" for op, v in coll.items() if v["count"])
+    total = sum(v["bytes"] for v in coll.values())
     fields = [f"{name:<34}"]
     if "step_time_s" in r:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
@@ -131,7 +161,8 @@ def format_row(name: str, r: dict) -> str:
         fields.append(f"bubble {r['bubble']:.3f}")
     fields += [f"args {r.get('argument_gb', 0):.3f} GB", f"out {r.get('output_gb', 0):.3f} GB",
                f"temp {r.get('temp_gb', 0):.3f} GB", f"compile {r['compile_s']:.1f}s"]
-    return " | ".join(fields) + (f"\n{'':<34}   collectives {coll_text}" if coll_text else "")
+    return " | ".join(fields) + (f"\n{'':<34}   collectives per step {total / 2**30:.2f} GiB: {coll_text}"
+                                 if coll_text else "")
 
 
 def main(argv=None) -> int:

@@ -29,3 +29,61 @@ def collective_stats(hlo_text: str) -> dict[str, dict[str, int]]:
             stats[m.group("op")]["count"] += 1
             stats[m.group("op")]["bytes"] += _shape_bytes(m.group("shape"))
     return stats
+
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s*\(")
+_CALLEE = re.compile(r"(?:calls|to_apply|condition|true_computation|false_computation)=%(?P<name>[\w.\-]+)")
+_BODY = re.compile(r"body=%(?P<name>[\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
+
+
+def executed_collective_stats(hlo_text: str) -> dict[str, dict[str, int]]:
+    """Like `collective_stats`, but every instruction counted as often as it runs: a collective
+    in a loop body (a layer scan, the context ring) counts once per trip, nested loops multiply.
+    Loops without a known trip count count once; both branches of a conditional count."""
+    bodies: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        header = _HEADER.match(line)
+        if header and line.rstrip().endswith("{"):
+            current = header.group("name")
+            bodies[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+        elif current is not None:
+            bodies[current].append(line)
+    calls: dict[str, list[tuple[str, int]]] = {name: [] for name in bodies}
+    for name, lines in bodies.items():
+        for line in lines:
+            trip = _TRIP.search(line)
+            for m in _BODY.finditer(line):
+                calls[name].append((m.group("name"), int(trip.group("n")) if trip else 1))
+            for m in _CALLEE.finditer(line):
+                calls[name].append((m.group("name"), 1))
+            for m in _BRANCHES.finditer(line):
+                calls[name] += [(n.strip().lstrip("%"), 1) for n in m.group("names").split(",") if n.strip()]
+    # Callers before callees (HLO call graphs are acyclic), then push run counts down.
+    order, seen = [], set()
+
+    def post(name: str) -> None:
+        seen.add(name)
+        for callee, _ in calls.get(name, ()):
+            if callee not in seen:
+                post(callee)
+        order.append(name)
+
+    post(entry)
+    times = {name: 0 for name in order}
+    times[entry] = 1
+    for name in reversed(order):
+        for callee, trips in calls.get(name, ()):
+            times[callee] += times[name] * trips
+    stats = {op: {"count": 0, "bytes": 0} for op in COLLECTIVES}
+    for name, lines in bodies.items():
+        for line in lines:
+            m = _INSTRUCTION.search(line)
+            if m and "-done" not in line.split("=")[1][:40]:
+                stats[m.group("op")]["count"] += times.get(name, 0)
+                stats[m.group("op")]["bytes"] += times.get(name, 0) * _shape_bytes(m.group("shape"))
+    return stats
