@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshes.context_layout import context_size
+from meshes.context_ssm import context_causal_conv, context_ssd_scan
 from meshes.per_shard import per_shard
 from meshes.rules import constrain
 from models.layers.dense import Dense
@@ -109,7 +111,10 @@ class ShortConv(nnx.Module):
         # width like the heads keeps each device's channels whole.
         channel = self.kernel.get_metadata()[LOGICAL_AXES][0]
         conv = lambda v, w, bb, seg: causal_conv1d(v, w, bb, activation="silu", seq_idx=seg, impl=kernels)
-        y = per_shard(conv, (flat, self.kernel[...].reshape(width, -1), bias, segment_ids),
+        weight = self.kernel[...].reshape(width, -1)
+        if context_size() > 1:  # the sequence stays split; each chunk borrows its predecessor's tail
+            return context_causal_conv(conv, flat, weight, bias, segment_ids, channel).reshape(x.shape)
+        y = per_shard(conv, (flat, weight, bias, segment_ids),
                       (("batch", "length", channel), (channel, None), (channel,), ("batch", "length")),
                       ("batch", "length", channel))
         return y.reshape(x.shape)
@@ -171,10 +176,13 @@ class Mamba2Mixer(nnx.Module):
 
     def _scan(self, x, dt, b, c, segment_ids):
         """The SSD scan (the Pallas kernel on GPU); states restart where segment_ids change."""
-        def scan(x, dt, a, b, c, d, seg):
-            return ssd_scan(x, dt, a, b, c, chunk_size=self.cfg.chunk_size, D=d, seq_idx=seg, impl=self.kernels)[0]
+        def scan(x, dt, a, b, c, d, seg):  # -> (y, final_states)
+            return ssd_scan(x, dt, a, b, c, chunk_size=self.cfg.chunk_size, D=d, seq_idx=seg, impl=self.kernels)
 
+        a = -jnp.exp(self.A_log[...])
+        if context_size() > 1:  # the sequence stays split; states pass between context ranks
+            return context_ssd_scan(scan, x, dt, a, b, c, self.D[...], segment_ids)
         heads, groups = ("batch", "length", "ssm_heads", None), ("batch", "length", "ssm_groups", None)
-        return per_shard(scan, (x, dt, -jnp.exp(self.A_log[...]), b, c, self.D[...], segment_ids),
+        return per_shard(lambda *args: scan(*args)[0], (x, dt, a, b, c, self.D[...], segment_ids),
                          (heads, ("batch", "length", "ssm_heads"), ("ssm_heads",), groups, groups, ("ssm_heads",),
                           ("batch", "length")), heads)
