@@ -1,7 +1,10 @@
 """Context parallelism: the sequence split over `context` (ring or all-gather K/V, load-balanced or
-contiguous order; MLA gathering only its latent) gives the losses and parameters of one device over
-three train steps, for Llama and DeepSeek, alone and combined with tensor, data, FSDP and folded
-experts. Batches are packed rows whose documents straddle the context ranks' chunks."""
+contiguous order; MLA gathering only its latent; the Mamba-2 scan and conv passing state and halo
+between ranks) gives the losses and parameters of one device over three train steps, for Llama,
+DeepSeek, Nemotron-H and Mamba-2, alone and combined with tensor, data, FSDP and folded experts.
+Batches are packed rows whose documents straddle the context ranks' chunks. (Pipeline=2 with
+context=2: tests/test_pipeline_llama.py, tests/test_pipeline_nemotron_h.py and the reference layout
+in tests/test_reference_layout.py.)"""
 import dataclasses
 
 import jax
@@ -11,7 +14,11 @@ import pytest
 from helpers import TINY_LLAMA, assert_trees_close, initial_params, train_losses, with_train
 from meshes.context_layout import AllGatherKV, ContextParallel, Contiguous, LoadBalanced, RingKV, device_order
 from meshes.mesh import MeshConfig
+from models.layers.mamba2 import SSMConfig
+from pipeline_helpers import PIPELINE_OPT
+from models.mamba2 import Mamba2Config
 from test_deepseek import TINY_DEEPSEEK
+from test_nemotron_h import TINY_NEMOTRON_H
 
 # 32 tokens: 2 x context chunks of 4-16 tokens, so the 1-3 documents of a row cross chunk edges.
 TRAIN = with_train(seq_len=32)
@@ -77,6 +84,47 @@ def test_deepseek_mla_context_parallel_matches_one_device(deepseek_single, deeps
     mesh_cfg, rules = DEEPSEEK_LAYOUTS[layout]
     ref_losses, ref_params = deepseek_single
     losses, params = train_losses(mesh_cfg, model=TINY_DEEPSEEK, train=TRAIN, rules=rules, init_params=deepseek_init)
+    assert np.all(np.isfinite(losses)) and np.all(np.isfinite(ref_losses))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(params, ref_params, rtol=1e-4, atol=1e-4)
+
+
+# The SSM chunk (6) does not divide the ranks' chunks (4-16 tokens): scan chunks straddle them.
+HYBRIDS = {
+    "nemotron_h": TINY_NEMOTRON_H,
+    "mamba2": Mamba2Config(vocab_size=96, embed=32, layers=2,
+                           ssm=SSMConfig(heads=4, head_dim=8, state=8, groups=2, chunk_size=6)),
+}
+HYBRID_LAYOUTS = {
+    "nemotron_h": {"context2_folded_experts_fsdp_tensor2_data4": (MeshConfig(context=2, data=4, tensor=2),
+                                                                  "fsdp+experts_folded"),
+                   "context4_data4": (MeshConfig(context=4, data=4), "dp")},
+    "mamba2": {"context4_tensor2_data2": (MeshConfig(context=4, data=2, tensor=2), "dp"),
+               "context2_fsdp_data8": (MeshConfig(context=2, data=8), "fsdp")},
+}
+
+
+@pytest.fixture(scope="module")
+def hybrid_single():
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            init = initial_params(HYBRIDS[name])
+            runs[name] = init, train_losses(MeshConfig(data=1), model=HYBRIDS[name], train=TRAIN, opt=PIPELINE_OPT,
+                                            devices=jax.devices()[:1], init_params=init)
+        return runs[name]
+    return get
+
+
+@pytest.mark.parametrize("name, layout", [(n, l) for n in sorted(HYBRID_LAYOUTS) for l in sorted(HYBRID_LAYOUTS[n])])
+def test_mamba_hybrids_context_parallel_match_one_device(hybrid_single, name, layout):
+    mesh_cfg, rules = HYBRID_LAYOUTS[name][layout]
+    init, (ref_losses, ref_params) = hybrid_single(name)
+    # Adam eps 1e-5: a weight whose gradient is ~0 would otherwise turn last-ulp reduction-order
+    # differences into lr-sized steps (seen once in 3072 router weights).
+    losses, params = train_losses(mesh_cfg, model=HYBRIDS[name], train=TRAIN, rules=rules, init_params=init,
+                                  opt=PIPELINE_OPT)
     assert np.all(np.isfinite(losses)) and np.all(np.isfinite(ref_losses))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(params, ref_params, rtol=1e-4, atol=1e-4)
