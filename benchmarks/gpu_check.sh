@@ -46,4 +46,11 @@ for cfg in configs/gpu_dense_small.gin configs/gpu_moe_small.gin; do
   [[ $rc -eq 0 ]] || { echo "bench $cfg: exit $rc"; status=1; }
 done
 
+echo "== long context on one GPU: Pallas flash vs blockwise vs materialized attention (train step, 8k tokens)"
+timeout -k 10 180 "$PY" -m jaxtrain.bench step --gin_file=configs/gpu_dense_small.gin --steps 5 \
+  --gin_param=TrainConfig.global_batch=1 --gin_param=TrainConfig.seq_len=8192 \
+  --layout attention=pallas --layout attention=blockwise --layout attention=materialized 2>&1 | grep -v "^W[0-9]" | tail -n 8
+rc=${PIPESTATUS[0]}
+[[ $rc -eq 0 ]] || { echo "bench long context: exit $rc"; status=1; }
+
 exit $status

@@ -28,7 +28,8 @@ def evaluate_stream(exp, mesh, params, stream, *, seq_len: int, stride: int, bat
     graphdef, abstract_state = abstract_model(exp.model)
     bsh = batch_shardings(mesh, rules, batch_size, seq_len)
     step = make_eval_step(graphdef, mesh=mesh, rules=rules, batch_sharding=bsh, loss_chunk=exp.train.loss_chunk,
-                          params_shardings=param_shardings(abstract_state, mesh, rules.params))
+                          params_shardings=param_shardings(abstract_state, mesh, rules.params),
+                          context_parallel=exp.train.context_parallel)
     nll = tokens = 0.0
     for batch in batch_windows(sliding_windows(stream, seq_len, stride, pad_id), batch_size):
         out = jax.device_get(step(params, {k: jax.device_put(v, bsh[k]) for k, v in batch.items()}))
@@ -81,6 +82,10 @@ def main(argv=None) -> int:
     params = checkpointer.restore(step, {"params": abstract["params"]})["params"]
     checkpointer.close()
     seq_len = args.seq_len or exp.train.seq_len
+    try:
+        exp.train.context_parallel.validate(seq_len, mesh.shape["context"])
+    except ValueError as e:
+        fail(f"--seq_len={seq_len}: {e}")
     result = evaluate_stream(exp, mesh, params, stream, seq_len=seq_len, stride=args.stride or max(seq_len // 2, 1),
                              batch_size=args.batch_size or exp.train.global_batch, pad_id=tokenizer.pad_id)
     print(json.dumps({"checkpoint_step": step, "data": args.data, **result}), flush=True)

@@ -8,8 +8,12 @@ setting's choice (meshes/context_layout.py):
 
   RingKV        K/V blocks travel around the context ring (meshes/ring_attention.py)
   AllGatherKV   K/V gathered over `context` once, inside the shard_map
-  kv_whole      the caller already holds whole-sequence K/V (MLA gathers its small latent
-                and up-projects locally, so per-head keys never cross the network)
+  kv_whole      the caller already holds whole-sequence K/V
+
+`sharded_latent_attention` is MLA's variant: every rank holds the whole sequence's small latent
+(gathered over `context`) and up-projects it to per-head keys/values one chunk at a time inside
+the attention (meshes/latent_attention.py), so per-head keys neither cross the network nor exist
+for the whole sequence at once.
 
 Token places from the layout give the causal mask, so the load-balanced order is exact.
 """
@@ -20,6 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshes.context_layout import AllGatherKV, active_context_parallel, device_order
+from meshes.latent_attention import latent_attention
 from meshes.ring_attention import ring_attention
 from meshes.rules import _ACTIVE, spec_for
 from pallas_kernels.flash_attention import flash_attention
@@ -27,6 +32,10 @@ from pallas_kernels.flash_attention import flash_attention
 Q_NAMES = ("batch", "length", "heads", None)
 KV_NAMES = ("batch", "length", "kv_heads", None)
 ROW_NAMES = ("batch", "length")
+# MLA: the latent and the rotary key span the whole sequence; the latent's dim is contracted
+# inside, so it stays whole on every device (as do the head dims).
+LATENT_NAMES = ("batch", None, None)
+W_UP_NAMES = (None, "heads", None)
 
 
 def sequence_order(length: int):
@@ -86,6 +95,50 @@ def sharded_attention(q, k, v, segment_ids, *, scale: float, impl: str, block_q=
                         out_specs=PartitionSpec(*q_spec[:3], None), check_vma=False)
     return run(place(q, q_spec), place(k, kv_spec), place(v, v_spec), place(segment_ids, row_spec),
                jax.numpy.asarray(order))
+
+
+def sharded_latent_attention(q, latent, k_rope, w_up, segment_ids, *, nope: int, scale: float, impl: str,
+                             block_q=None, block_k=None):
+    """q [b, l, h, nope + rope] (this rank's queries); latent [b, L, kv_lora] and k_rope [b, L, rope]:
+    the whole sequence in device order; w_up [kv_lora, h, nope + dv]; segment_ids [b, l]
+    -> [b, l, h, dv]. Each device attends its queries to the latent up-projected by its own heads'
+    slice of w_up, a context rank's length of keys at a time. Outside `use_rules`: one direct call.
+    """
+    kernel = dict(nope=nope, scale=scale, impl=impl, block_q=block_q, block_k=block_k)
+    active = _ACTIVE.get()
+    if active is None:
+        places = jax.numpy.arange(q.shape[1], dtype=jax.numpy.int32)
+        return latent_attention(q, latent, k_rope, w_up, segment_ids, segment_ids, places, places,
+                                chunk=q.shape[1], **kernel)
+    mesh, rules = active
+    table = rules.activations
+    order = sequence_order(q.shape[1])
+    q_spec = spec_for(Q_NAMES, q.shape, table, mesh)
+    latent_spec = spec_for(LATENT_NAMES, latent.shape, table, mesh)
+    rope_spec = spec_for(LATENT_NAMES, k_rope.shape, table, mesh)
+    # Each device needs the heads of its queries: the weight laid out like the activations' heads
+    # (a parameter table may split it otherwise, e.g. FSDP; the constraint gathers it then).
+    w_spec = spec_for(W_UP_NAMES, w_up.shape, table, mesh)
+    row_spec = spec_for(ROW_NAMES, segment_ids.shape, table, mesh)
+    length_axes = q_spec[1]  # "context", or None when the sequence is not split
+
+    def local(q, latent, k_rope, w_up, seg, order):
+        if length_axes:
+            rank = jax.lax.axis_index(length_axes)
+            places = jax.lax.dynamic_slice_in_dim(order, rank * q.shape[1], q.shape[1])
+            all_seg = jax.lax.all_gather(seg, length_axes, axis=1, tiled=True)
+        else:
+            places, all_seg = order, seg
+        return latent_attention(q, latent, k_rope, w_up, seg, all_seg, places, order, chunk=q.shape[1], **kernel)
+
+    place = lambda a, spec: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
+    # check_vma=False: pallas_call outputs carry no varying-axes annotation (see ARCHITECTURE.md).
+    # Its transpose sums the latent's and w_up's per-rank gradient shares over `context`.
+    run = jax.shard_map(local, mesh=mesh,
+                        in_specs=(q_spec, latent_spec, rope_spec, w_spec, row_spec, PartitionSpec()),
+                        out_specs=PartitionSpec(*q_spec[:3], None), check_vma=False)
+    return run(place(q, q_spec), place(latent, latent_spec), place(k_rope, rope_spec), place(w_up, w_spec),
+               place(segment_ids, row_spec), jax.numpy.asarray(order))
 
 
 def gather_sequence(x, names):

@@ -13,6 +13,11 @@ parallelism (meshes/context_attention.py). A strategy is called as
 `strategy(q, k, v, segment_ids, scale=..., kv_whole=False, kv_head_name="kv_heads")`:
 q [b, l, h, d], k/v [b, l, kv, d|dv] with the sequence in the context layout's device order;
 `kv_whole`: k/v already span the whole sequence on every context rank.
+
+Strategies with `takes_latent` also attend to MLA's latent directly:
+`strategy.latent(q, latent, k_rope, w_up, segment_ids, nope=..., scale=...)` up-projects the
+(whole-sequence) latent to per-head keys/values chunk by chunk inside the attention
+(meshes/latent_attention.py). The materialized reference does not: its caller up-projects.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from meshes.context_attention import sequence_order, sharded_attention
+from meshes.context_attention import sequence_order, sharded_attention, sharded_latent_attention
 from meshes.rules import constrain
 from models.layers.attention_core import attention_mask, dot_product_attention
 from pallas_kernels._common import target_platform
@@ -28,6 +33,8 @@ from pallas_kernels._common import target_platform
 
 @dataclasses.dataclass(frozen=True)
 class MaterializedAttention:
+    takes_latent = False
+
     def check_backend(self, platform: str) -> None:
         pass
 
@@ -41,6 +48,7 @@ class _Flash:
     """Shared by the per-device implementations: which kernel, which blocks."""
     block_q: int | None = None  # None: the kernel's default, shrunk for short sequences
     block_k: int | None = None
+    takes_latent = True
 
     def check_backend(self, platform: str) -> None:
         pass
@@ -51,6 +59,13 @@ class _Flash:
     def __call__(self, q, k, v, segment_ids, *, scale: float, kv_whole=False, kv_head_name="kv_heads"):
         out = sharded_attention(q, k, v, segment_ids, scale=scale, impl=self.kernel_impl(), block_q=self.block_q,
                                 block_k=self.block_k, kv_whole=kv_whole, kv_head_name=kv_head_name)
+        return constrain(out, ("batch", "length", "heads", None))
+
+    def latent(self, q, latent, k_rope, w_up, segment_ids, *, nope: int, scale: float):
+        """q [b, l, h, nope + rope]; latent [b, L, kv_lora], k_rope [b, L, rope] whole-sequence in
+        device order; w_up [kv_lora, h, nope + dv] -> [b, l, h, dv]."""
+        out = sharded_latent_attention(q, latent, k_rope, w_up, segment_ids, nope=nope, scale=scale,
+                                       impl=self.kernel_impl(), block_q=self.block_q, block_k=self.block_k)
         return constrain(out, ("batch", "length", "heads", None))
 
 

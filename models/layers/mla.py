@@ -84,13 +84,20 @@ class MultiHeadLatentAttention(nnx.Module):
 
         # Under context parallelism only the compressed latent and the shared rotary key cross
         # the network (kv_lora + rope values per token); every rank up-projects the whole
-        # sequence's keys and values locally instead of receiving per-head ones.
+        # sequence's keys and values locally instead of receiving per-head ones. Per-device
+        # strategies do it a chunk of keys at a time inside the attention, so the whole
+        # sequence's per-head keys never exist; the materialized reference up-projects here.
         latent = constrain(self.kv_norm(self.kv_down(x)), ("batch", "length", "kv_lora"))
         latent = gather_sequence(latent, ("batch", "length", "kv_lora"))
         k_rope = self._rope(self.k_rope(x)[:, :, None, :], positions)  # one rotary key for all heads
         k_rope = gather_sequence(constrain(k_rope, ("batch", "length", None, None)), ("batch", "length", None, None))
+        up = self.kv_up
+        if self.attention.takes_latent:  # up-projected a chunk at a time inside the attention
+            out = self.attention.latent(q, latent.astype(up.dtype), k_rope[:, :, 0, :], up.kernel[...].astype(up.dtype),
+                                        segment_ids, nope=self.nope, scale=self.softmax_scale)
+            return self.o(out)
         whole = ("batch", None, "heads", None)  # the sequence whole: keys for every query of this rank
-        kv = constrain(self.kv_up(latent), whole)
+        kv = constrain(up(latent), whole)
         k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
         k_rope = jnp.broadcast_to(k_rope, k_nope.shape[:-1] + k_rope.shape[-1:])
         k = constrain(jnp.concatenate([k_nope, k_rope.astype(k_nope.dtype)], axis=-1), whole)

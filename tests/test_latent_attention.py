@@ -1,0 +1,133 @@
+"""MLA attention over a chunk-wise up-projected latent (meshes/latent_attention.py): the same
+values and gradients as up-projecting the whole sequence first, alone and inside MLA under
+context parallelism."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshes.context_layout import ContextParallel, LoadBalanced, device_order, use_context_parallel
+from meshes.latent_attention import latent_attention
+from meshes.mesh import MeshConfig, build_mesh
+from meshes.rules import get_rule_set, use_rules
+from models.layers.attention_impl import BlockwiseAttention, MaterializedAttention
+from models.layers.mla import MultiHeadLatentAttention, mla_softmax_scale
+from models.layers.rope import NoScaling
+from pallas_kernels.flash_attention import attention_reference
+
+QUICK = {"xla_backend_optimization_level": 0}
+
+
+@pytest.fixture(autouse=True)
+def _exact_f32_matmuls():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def assert_close(actual, expected, what, rtol=1e-5):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert np.isfinite(actual).all() and np.isfinite(expected).all(), f"{what}: not finite"
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * np.abs(expected).max(), err_msg=what)
+
+
+def packed_segments(rows, length, starts):
+    seg = np.ones((rows, length), np.int32)
+    for row, cuts in enumerate(starts):
+        for c in cuts:
+            seg[row, c:] += 1
+    return seg
+
+
+def test_chunked_latent_attention_equals_up_projecting_first():
+    """One zigzag context rank's queries against the whole sequence's latent in 4 chunks,
+    packed documents crossing chunk boundaries."""
+    b, length, heads, kv_lora, nope, rope, dv, context = 2, 32, 3, 8, 4, 4, 5, 2
+    rng = np.random.default_rng(0)
+    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    order = device_order(LoadBalanced(), length, context)
+    seg = packed_segments(b, length, ([5, 20], [13]))[:, order]
+    mine = slice(length // context, length)  # rank 1's tokens (places 8..15 and 16..23)
+    q, latent, k_rope = draw(b, length // context, heads, nope + rope), draw(b, length, kv_lora), draw(b, length, rope)
+    w_up, weights = draw(kv_lora, heads, nope + dv), draw(b, length // context, heads, dv)
+    q_seg, q_places = jnp.asarray(seg[:, mine]), jnp.asarray(order[mine])
+    kv_seg, kv_places = jnp.asarray(seg), jnp.asarray(order)
+    scale = 0.3
+
+    def chunked(q, latent, k_rope, w_up):
+        return latent_attention(q, latent, k_rope, w_up, q_seg, kv_seg, q_places, kv_places, nope=nope, scale=scale,
+                                impl="xla", block_q=4, block_k=4, chunk=8)
+
+    def up_projected(q, latent, k_rope, w_up):
+        kv = jnp.einsum("bsc,chd->bshd", latent, w_up)
+        k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_rope[:, :, None], kv.shape[:3] + (rope,))], -1)
+        return attention_reference(q, k, kv[..., nope:], q_seg, kv_seg, q_places, kv_places, scale=scale)[0]
+
+    args = (q, latent, k_rope, w_up)
+    loss = lambda f: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * weights), argnums=(0, 1, 2, 3)))
+    (got, got_grads), (want, want_grads) = loss(chunked)(*args), loss(up_projected)(*args)
+    assert_close(chunked(*args), up_projected(*args), "out")
+    assert_close(got, want, "loss")
+    for name, g, w in zip(("dq", "d latent", "d k_rope", "d w_up"), got_grads, want_grads):
+        assert_close(g, w, name)
+
+
+EMBED, HEADS, KV_LORA, NOPE, ROPE, V, LENGTH = 32, 4, 16, 8, 8, 6, 32
+
+
+def mla_params(attention, seed=0):
+    scaling = NoScaling()
+    mla = MultiHeadLatentAttention(
+        EMBED, HEADS, q_lora_rank=None, kv_lora_rank=KV_LORA, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
+        v_head_dim=V, inv_freq=scaling.inv_freq(ROPE, 10000.0), softmax_scale=mla_softmax_scale(NOPE + ROPE, scaling),
+        rngs=nnx.Rngs(seed), dtype=jnp.float32, attention=attention)
+    graphdef, params = nnx.split(mla)
+    rng = np.random.default_rng(seed)  # widen the init so softmax and masks matter
+    return graphdef, jax.tree.map(lambda a: jnp.asarray(0.3 * rng.standard_normal(a.shape), a.dtype), params)
+
+
+def test_mla_latent_path_under_context_parallel_equals_materialized():
+    """MLA with BlockwiseAttention (chunked latent path) on a data x context x tensor mesh, zigzag
+    layout, equals MaterializedAttention on one device: outputs and every gradient."""
+    graphdef_ref, params = mla_params(MaterializedAttention())
+    graphdef, _ = mla_params(BlockwiseAttention(block_q=8, block_k=8))
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, LENGTH, EMBED)).astype(np.float32)
+    seg = packed_segments(2, LENGTH, ([7, 20], [16, 17]))
+    positions = np.zeros_like(seg)
+    for row in range(2):
+        for s in np.unique(seg[row]):
+            idx = np.nonzero(seg[row] == s)[0]
+            positions[row, idx] = np.arange(len(idx))
+    weights = rng.standard_normal((2, LENGTH, EMBED)).astype(np.float32)
+
+    def loss_fn(graphdef, positions, seg, weights):
+        def loss(params, x):
+            y = nnx.merge(graphdef, params)(x, positions, seg)
+            return jnp.sum(y * weights), y
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), compiler_options=QUICK)
+
+    (_, ref_y), (ref_gp, ref_gx) = loss_fn(graphdef_ref, positions, seg, weights)(params, x)
+
+    mesh = build_mesh(MeshConfig(data=2, context=2, tensor=2), jax.devices()[:8])
+    order = device_order(LoadBalanced(), LENGTH, 2)
+    back = np.argsort(order)
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, PartitionSpec()))
+    with use_rules(mesh, get_rule_set("dp")), use_context_parallel(ContextParallel(layout=LoadBalanced())):
+        step = loss_fn(graphdef, put(positions[:, order]), put(seg[:, order]), put(weights[:, order]))
+        (_, y), (gp, gx) = step(jax.tree.map(put, params), put(x[:, order]))
+    assert_close(np.asarray(y)[:, back], ref_y, "output")
+    assert_close(np.asarray(gx)[:, back], ref_gx, "d x")
+    flat_ref = dict(jax.tree_util.tree_leaves_with_path(ref_gp))
+    for path, g in jax.tree_util.tree_leaves_with_path(gp):
+        assert_close(g, flat_ref[path], f"d {jax.tree_util.keystr(path)}")
+
+    # Without a mesh the latent path is one direct call (a single chunk).
+    (_, y1), (gp1, gx1) = loss_fn(graphdef, positions, seg, weights)(params, x)
+    assert_close(y1, ref_y, "output, no mesh")
+    assert_close(gx1, ref_gx, "d x, no mesh")
+    for path, g in jax.tree_util.tree_leaves_with_path(gp1):
+        assert_close(g, flat_ref[path], f"d {jax.tree_util.keystr(path)}, no mesh")
