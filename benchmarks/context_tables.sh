@@ -21,7 +21,8 @@ done
 echo "== DeepSeek-V2-Lite attention shape (27 layers made dense), 128k tokens, context=16"
 $PY -m jaxtrain.bench step --gin_file=configs/deepseek_v2_lite.gin --gin_param=DeepSeekConfig.first_k_dense=27 \
   --gin_param=TrainConfig.global_batch=1 --gin_param=TrainConfig.seq_len=131072 --compile_only \
-  --layout context=16,rules=dp,attention=materialized --layout context=16,rules=dp,attention=blockwise 2>&1 | quiet
+  --layout context=16,rules=dp,attention=materialized --layout context=16,rules=dp,attention=blockwise \
+  --layout context=16,rules=zero1,attention=blockwise 2>&1 | quiet
 
 echo "== DeepSeek-V2-Lite (MoE, full size), 1M tokens, 64 devices"
 $PY -m jaxtrain.bench step --gin_file=configs/deepseek_v2_lite.gin --gin_param=TrainConfig.global_batch=1 \
@@ -29,10 +30,14 @@ $PY -m jaxtrain.bench step --gin_file=configs/deepseek_v2_lite.gin --gin_param=T
   --layout context=32,tensor=2,rules=fsdp+experts_folded,attention=blockwise \
   --layout context=16,tensor=4,rules=fsdp+experts_folded,attention=blockwise 2>&1 | quiet
 
-echo "== ring vs all-gather step time, tiny Llama, batch 1, context=8 x data=2 (run side by side)"
-for L in 4096 16384 65536; do
-  $PY -m jaxtrain.bench step --gin_file=configs/default.gin --gin_param=TrainConfig.global_batch=2 \
-    --gin_param=TrainConfig.seq_len=$L --gin_param=LlamaConfig.layers=2 --steps 3 \
-    --layout context=8,data=2,attention=blockwise,kv=ring --layout context=8,data=2,attention=blockwise,kv=allgather \
-    2>&1 | quiet
-done
+echo "== DeepSeek-V2-Lite attention shape (27 layers made dense), 1M tokens, 64 devices"
+$PY -m jaxtrain.bench step --gin_file=configs/deepseek_v2_lite.gin --gin_param=DeepSeekConfig.first_k_dense=27 \
+  --gin_param=TrainConfig.global_batch=1 --gin_param=TrainConfig.seq_len=1048576 --gin_param=TrainConfig.loss_chunk=4096 \
+  --compile_only --layout context=32,tensor=2,rules=fsdp,attention=blockwise \
+  --layout context=16,tensor=4,rules=fsdp,attention=blockwise --layout context=64,rules=fsdp,attention=blockwise 2>&1 | quiet
+
+echo "== ring vs all-gather (and contiguous order) step time, 2-layer default Llama, batch 2 x 4096, context=8 x data=2"
+$PY -m jaxtrain.bench step --gin_file=configs/default.gin --gin_param=TrainConfig.global_batch=2 \
+  --gin_param=TrainConfig.seq_len=4096 --gin_param=LlamaConfig.layers=2 --steps 3 \
+  --layout context=8,data=2,attention=blockwise,kv=ring --layout context=8,data=2,attention=blockwise,kv=allgather \
+  --layout context=8,data=2,attention=blockwise,kv=ring,order=contiguous 2>&1 | quiet
