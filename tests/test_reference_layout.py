@@ -1,0 +1,169 @@
+"""The mission's reference layout end to end, on 16 simulated devices, for a DeepSeek-V2-Lite-shaped
+and a Nemotron-3-Nano-shaped model (configs/*_reference_layout.gin: every layer and component of
+the real models, widths reduced): pipeline=2 x data=2 x context=2 x tensor=2 for attention and the
+dense parts, experts folded over data x context (EP 4) with tensor as expert data parallel (EDP 2),
+FSDP, the sequence split over context in the load-balanced order.
+
+Each config is read from its gin file and trained by the Trainer (the CLI's code path: real data,
+Orbax checkpoints with the data iterator) from one canonical set of parameters, written as a
+parameters-only checkpoint at step 0 (so no run compiles the initializers):
+  (a) 20 steps in the reference layout, every loss finite, checkpointing at step 10;
+  (b) its first 3 losses equal a 1-device run's (pipeline=1, every axis 1);
+  (c) its step-10 checkpoint resumes on 1 device and on data=16 with the uninterrupted run's
+      losses for steps 11-13.
+The 1-device Trainer serves (b) and then (c) (one compile): its workdir receives the step-10
+checkpoint after (b), and a Trainer resumes from a workdir's latest checkpoint. The Nemotron
+case is opt-in (JAXTRAIN_SLOW_TESTS=1, see SLOW): it alone would take ~7 min.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+
+import gin
+import jax
+import numpy as np
+import pytest
+
+from jaxtrain.checkpoint import Checkpointer
+from jaxtrain.config import load_experiment, parse_gin
+from jaxtrain.trainer import Trainer
+from meshes.mesh import MeshConfig
+from pipeline_helpers import PIPELINE_OPT, initial_params
+
+# ~20 minutes on two cores: its own target, `make test-reference` (CI runs it after the suite).
+pytestmark = pytest.mark.reference_layout
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS, SAVE_AT, RESUMED = 20, 10, 3
+
+# Top-k routing is discontinuous: float noise from a change of layout flips a near-tie between
+# two experts' scores and moves that expert's weights by ~lr. Seed 0 of the initial parameters has
+# no tie that close in the compared steps of either model (their losses agree to <= 1e-6
+# relative); another seed, or other data, may need checking again.
+SEED = 0
+# Nemotron's 52-layer pattern is unrolled (models/layers/pattern_stack.py), each Mamba layer alone
+# costing ~3.5 s of XLA:CPU compile: its three programs (reference layout, one device, data=16)
+# take ~5 min to compile and the module ~7 min in all, beyond the suite's budget. Opt in with
+# JAXTRAIN_SLOW_TESTS=1.
+SLOW = pytest.mark.skipif(not os.environ.get("JAXTRAIN_SLOW_TESTS"),
+                          reason="~7 min (52 unrolled layers compiled three times): set JAXTRAIN_SLOW_TESTS=1")
+CONFIGS = [
+    "deepseek_v2_lite_reference_layout",
+    pytest.param("nemotron3_nano_reference_layout", marks=SLOW),
+]
+
+
+def load_config(name: str):
+    """The Experiment configs/<name>.gin describes (gin's global state cleared before and after)."""
+    gin.clear_config()
+    try:
+        with contextlib.chdir(REPO):  # includes are relative to the repository root
+            parse_gin([os.path.join("configs", f"{name}.gin")], [])
+            exp = load_experiment()
+    finally:
+        gin.clear_config()
+    # The tests' Adam (eps 1e-5: see tests/pipeline_helpers.py); no eval before STEPS.
+    train = dataclasses.replace(exp.train, checkpoint_every=SAVE_AT, log_every=STEPS, eval_every=0)
+    return dataclasses.replace(exp, train=train, optimizer=PIPELINE_OPT)
+
+
+def write_initial_checkpoint(exp, directory, seed: int) -> None:
+    """Canonical parameters (host numpy, as in tests/pipeline_helpers.py) as a parameters-only
+    checkpoint at step 0: a Trainer restores them and starts its optimizer state fresh."""
+    params = jax.device_put(initial_params(exp.model, seed), jax.devices()[0])
+    checkpointer = Checkpointer(str(directory), async_save=False)
+    checkpointer.save(0, {"params": params})
+    checkpointer.close()
+
+
+def copy_checkpoint(source_workdir, step: int, workdir) -> None:
+    shutil.copytree(os.path.join(source_workdir, "checkpoints", str(step)),
+                    os.path.join(workdir, "checkpoints", str(step)))
+
+
+def losses_of(history) -> tuple[list[int], np.ndarray]:
+    return [h["step"] for h in history], np.array([h["loss"] for h in history])
+
+
+def assert_losses_close(actual, expected, rtol=1e-5):
+    # assert_allclose takes NaN == NaN: both sides must be finite first.
+    assert np.isfinite(actual).all() and np.isfinite(expected).all(), (actual, expected)
+    np.testing.assert_allclose(actual, expected, rtol=rtol)
+
+
+@pytest.fixture(scope="module", params=CONFIGS)
+def run(request, tmp_path_factory):
+    """Per config: the reference-layout run (20 steps, checkpoint at 10) and its workdirs."""
+    name = request.param
+    exp = load_config(name)
+    root = tmp_path_factory.mktemp(name)
+    write_initial_checkpoint(exp, root / "initial", SEED)
+
+    def workdir(label: str, step: int = 0, source=None):
+        path = root / label
+        if source is None:
+            shutil.copytree(root / "initial" / "0", path / "checkpoints" / "0")
+        else:
+            copy_checkpoint(source, step, path)
+        return str(path)
+
+    reference = workdir("reference_layout")
+    trainer = Trainer(exp, reference)
+    history = trainer.run(stop_after=STEPS)
+    assert dict(trainer.mesh.shape) == dict(pipeline=2, data=2, context=2, expert=1, tensor=2)
+    return dict(name=name, exp=exp, workdir=workdir, reference=reference, history=history, trainer=trainer)
+
+
+@pytest.fixture(scope="module")
+def one_device(run):
+    """The same experiment on one device (pipeline=1): 3 steps from step 0, then the reference
+    layout's step-10 checkpoint, dropped into the same workdir, resumed for 3 steps."""
+    exp = dataclasses.replace(run["exp"], mesh=MeshConfig(pipeline=1, data=1, context=1, expert=1, tensor=1))
+    workdir = run["workdir"]("one_device")
+    trainer = Trainer(exp, workdir, devices=jax.devices()[:1])
+    first = trainer.run(stop_after=3)
+    copy_checkpoint(run["reference"], SAVE_AT, workdir)
+    resumed = trainer.run(stop_after=SAVE_AT + RESUMED)
+    return first, resumed
+
+
+def test_reference_layout_trains(run):
+    steps, losses = losses_of(run["history"])
+    assert steps == list(range(1, STEPS + 1))
+    assert np.isfinite(losses).all(), losses
+    assert losses[-5:].mean() < losses[:5].mean(), losses  # it learns
+    assert "layers per chunk" in run["trainer"].pipeline_summary
+    # routed experts: stages over pipeline, experts over data x context (EP 4), tensor as EDP 2
+    experts = {jax.tree_util.keystr(path): sharding.spec for path, sharding
+               in jax.tree_util.tree_leaves_with_path(run["trainer"].shardings["params"])
+               if "'experts'" in jax.tree_util.keystr(path)}
+    assert experts and all(spec[0] == "pipeline" and ("data", "context") in spec and "tensor" in spec
+                           for spec in experts.values()), experts
+    ckpts = sorted(int(p) for p in os.listdir(os.path.join(run["reference"], "checkpoints")))
+    assert SAVE_AT in ckpts and STEPS in ckpts, ckpts
+
+
+def test_first_steps_match_one_device(run, one_device):
+    first, _ = one_device
+    steps, losses = losses_of(first)
+    assert steps == [1, 2, 3]
+    assert_losses_close(losses_of(run["history"])[1][:3], losses)
+
+
+def test_checkpoint_resumes_on_one_device(run, one_device):
+    _, resumed = one_device
+    steps, losses = losses_of(resumed)
+    assert steps == list(range(SAVE_AT + 1, SAVE_AT + RESUMED + 1))
+    assert_losses_close(losses, losses_of(run["history"])[1][SAVE_AT:SAVE_AT + RESUMED])
+
+
+def test_checkpoint_resumes_on_data16(run):
+    exp = dataclasses.replace(run["exp"], mesh=MeshConfig(pipeline=1, data=16, context=1, expert=1, tensor=1))
+    workdir = run["workdir"]("data16", SAVE_AT, run["reference"])
+    history = Trainer(exp, workdir).run(stop_after=SAVE_AT + RESUMED)
+    steps, losses = losses_of(history)
+    assert steps == list(range(SAVE_AT + 1, SAVE_AT + RESUMED + 1))
+    assert_losses_close(losses, losses_of(run["history"])[1][SAVE_AT:SAVE_AT + RESUMED])
