@@ -7,7 +7,10 @@ import os
 import sys
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=16"
-                           " --xla_backend_optimization_level=0").strip()
+                           " --xla_backend_optimization_level=0"
+                           # a loaded 2-core machine can leave simulated devices' threads >40 s apart
+                           # at a collective (XLA:CPU's default abort), seen once in the reference layout
+                           " --xla_cpu_collective_call_terminate_timeout_seconds=600").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
