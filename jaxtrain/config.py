@@ -52,6 +52,12 @@ class TrainConfig:
     # The sequence over the `context` axis: layout (LoadBalanced | Contiguous) and how ranks see
     # each other's keys (RingKV | AllGatherKV); meshes/context_layout.py.
     context_parallel: ContextParallel = ContextParallel()
+    # resilience (jaxtrain/resilience/): a missing or dead peer, or a failure reported by one, ends
+    # every process within peer_timeout_s; a step slower than hang_factor x the median step (and
+    # than hang_min_s) dumps every thread's stack and exits.
+    peer_timeout_s: float = 60.0
+    hang_factor: float = 10.0
+    hang_min_s: float = 120.0
 
     def validate(self) -> None:
         for name in ("steps", "global_batch", "seq_len", "microbatches", "log_every", "eval_batches",

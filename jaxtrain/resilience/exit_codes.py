@@ -1,0 +1,7 @@
+"""Process exit codes, one per kind of ending, so a scheduler (or a test) can tell them apart."""
+OK = 0  # finished, or stopped cleanly on SIGTERM/SIGINT after saving the current step
+BAD_INPUT = 2  # config, data, layout or checkpoint-compatibility error, before anything is written
+NON_FINITE = 3  # loss or gradients not finite under the `halt` policy (or too many skips)
+CHECKPOINT = 4  # a checkpoint could not be saved or no intact checkpoint could be restored
+PEER = 5  # another process is missing, died, or reported a failure
+HANG = 6  # a step took far longer than usual (every thread's stack is in the log)
