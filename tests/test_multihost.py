@@ -6,7 +6,6 @@ in one process (the data iterator's position comes from another process count's 
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -17,17 +16,12 @@ import pytest
 from jaxtrain.config import load_experiment, parse_gin
 from jaxtrain.launch import DEFAULT_GIN
 from jaxtrain.trainer import Trainer
+from ports import reserved_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BINDINGS = ["LlamaConfig.embed=32", "LlamaConfig.layers=2", "LlamaConfig.mlp=64", "LlamaConfig.heads=4",
             "LlamaConfig.kv_heads=2", "TrainConfig.seq_len=32",
             "TrainConfig.eval_batches=1", "TrainConfig.steps=6", "TrainConfig.checkpoint_every=3", "MeshConfig.data=8"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -48,24 +42,25 @@ def single_process(tmp_path_factory):
 ], ids=["data", "pipeline_across_processes"])
 def test_two_processes_match_one(tmp_path, layout, single_process):
     bindings = BINDINGS + layout
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "jaxtrain.train", f"--workdir={tmp_path / 'multi'}",
-         *[f"--gin_param={b}" for b in bindings], f"--coordinator_address=localhost:{port}",
-         "--num_processes=2", f"--process_id={i}"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    outputs = []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=300)[0])
-        finally:
-            p.kill()
+    with reserved_port() as port:  # held until the coordinator has come and gone
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "jaxtrain.train", f"--workdir={tmp_path / 'multi'}",
+             *[f"--gin_param={b}" for b in bindings], f"--coordinator_address=localhost:{port}",
+             "--num_processes=2", f"--process_id={i}"],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+        outputs = []
+        for p in procs:
+            try:
+                outputs.append(p.communicate(timeout=300)[0])
+            finally:
+                p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outputs)
     rows = [json.loads(line) for line in (tmp_path / "multi" / "metrics.jsonl").read_text().splitlines()]
     multi = [r["loss"] for r in rows if r["kind"] == "train"]
 
+    assert np.isfinite(single_process).all() and np.isfinite(multi).all(), (single_process, multi)
     np.testing.assert_allclose(multi, single_process, rtol=1e-5)
     assert (tmp_path / "multi" / "checkpoints" / "3" / "data" / "process_1-of-2.json").exists()
     if layout:
