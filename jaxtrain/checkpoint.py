@@ -1,25 +1,56 @@
-"""Orbax checkpoints of the train state and the data iterator, layout-independent on disk.
+"""Orbax checkpoints of the train state and the data iterator, layout-independent on disk, and
+verified when they are read back.
 
 A step directory (named by the number of completed steps) holds the items `params`,
 `opt_state` (each a mesh-free tree: plain nested dicts, layers stacked) and `data` (the grain
 iterator, one file per process; a run with another number of processes restores from any of
-them, since the state is the number of global batches taken).
-Restoring onto another mesh only means handing Orbax abstract arrays that carry the new
-shardings. A checkpoint written by `python -m jaxtrain.convert` has no `opt_state`: training
-then starts from fresh optimizer state. Saves are async and atomic: Orbax finalizes a step
-directory only after every file is written, so a crash never leaves a half-written step
-that looks complete.
+them, since the state is the number of global batches taken). Orbax commits a step atomically:
+it is written under a temporary name and renamed once every file is there, so a crash never
+leaves a half-written step that looks complete.
+
+Each step also carries a manifest in Orbax's step metadata (written in the same atomic commit):
+the items saved, a layout-independent fingerprint of every array (jaxtrain/fingerprint.py),
+the data iterator's state and whatever the trainer adds (the batches it skipped). `restore`
+checks the step against it: an array whose fingerprint differs (a flipped bit, a truncated
+file) or unreadable metadata is a `CorruptCheckpoint` naming the step and what is wrong; an
+item the run needs that the step lacks is a `CheckpointError` naming it. `restore_latest` then falls back to the
+newest intact step, moving the corrupt ones aside (never deleting them). A checkpoint written
+by `python -m jaxtrain.convert` holds parameters only: training then starts fresh optimizer and
+data state; any other step missing an item the run needs is an error unless the run asks to
+reset that item.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import time
+import sys
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxtrain.fingerprint import tree_fingerprints
+
 STATE_ITEMS = ("params", "opt_state")
+ALL_ITEMS = STATE_ITEMS + ("data",)
+MANIFEST_KEY = "jaxtrain"
+CONVERTED = "converted"  # the manifest's `kind` for parameters-only checkpoints from jaxtrain.convert
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used as it is; the message names the step and the cause."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """The step's files do not hold what its manifest says was saved."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """An (async) save failed; the step was not committed."""
 
 
 class Checkpointer:
@@ -28,50 +59,217 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self._saving = None  # the step of the save in flight, if any
 
+    # -- what is on disk ----------------------------------------------------------------------
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def items(self, step: int) -> set[str]:
-        return {p for p in os.listdir(os.path.join(self.directory, str(step)))
-                if os.path.isdir(os.path.join(self.directory, str(step), p))}
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
 
-    def save(self, step: int, state: dict, data_iterator=None) -> None:
-        """`state` holds any of STATE_ITEMS (params alone is a valid checkpoint)."""
-        items = {k: ocp.args.StandardSave(state[k]) for k in STATE_ITEMS if k in state}
+    def items(self, step: int) -> set[str]:
+        path = os.path.join(self.directory, str(step))
+        return {p for p in os.listdir(path) if os.path.isdir(os.path.join(path, p))}
+
+    def manifest(self, step: int) -> dict | None:
+        """The jaxtrain manifest of `step`, or None for a step written without one."""
+        try:
+            # Orbax logs unparsable step metadata and returns an empty one: parse it first.
+            step_metadata = os.path.join(self.directory, str(step), "_CHECKPOINT_METADATA")
+            if os.path.exists(step_metadata):
+                with open(step_metadata) as f:
+                    json.load(f)
+            with _quiet_absl():  # Orbax warns about every item it was not told how to read
+                custom = self.manager.metadata(step).custom_metadata or {}
+        except Exception as e:  # garbled JSON, missing file: say which step
+            raise CorruptCheckpoint(f"step {step}: unreadable step metadata ({type(e).__name__}: "
+                                    f"{_one_line(e)})") from None
+        return custom.get(MANIFEST_KEY)
+
+    def saved_shapes(self, step: int, item: str = "params") -> dict[str, tuple]:
+        """{leaf path: shape} of an item as saved (read from its metadata, no arrays)."""
+        from jaxtrain.fingerprint import leaf_path
+        with _quiet_absl():
+            meta = ocp.StandardCheckpointer().metadata(os.path.join(self.directory, str(step), item))
+        tree = getattr(meta, "item_metadata", meta)
+        tree = getattr(tree, "tree", tree)
+        return {leaf_path(p): tuple(m.shape) for p, m in jax.tree_util.tree_leaves_with_path(tree)
+                if hasattr(m, "shape")}
+
+    # -- saving -------------------------------------------------------------------------------
+    def save(self, step: int, state: dict, data_iterator=None, *, extra: dict | None = None) -> None:
+        """Starts saving `state` (any of STATE_ITEMS; params alone is a valid checkpoint) as
+        `step`, with `extra` (JSON) in its manifest. Raises CheckpointSaveError if the previous
+        async save failed."""
+        self.check()
+        saved = {k: state[k] for k in STATE_ITEMS if k in state}
+        items = {k: ocp.args.StandardSave(v) for k, v in saved.items()}
+        manifest = {"items": sorted(saved), "fingerprints": tree_fingerprints(saved), "time": time.time(),
+                    **(extra or {})}
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
-        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+            manifest["items"].append("data")
+            manifest["data_state"] = data_iterator.get_state()
+        try:
+            self.manager.save(step, args=ocp.args.Composite(**items), force=True,
+                              custom_metadata={MANIFEST_KEY: manifest})
+        except Exception as e:
+            raise CheckpointSaveError(f"saving step {step} to {self.directory} failed: {_one_line(e)}") from e
+        self._saving = step
 
-    def restore(self, step: int, abstract_state: dict, data_iterator=None) -> dict:
-        """Restores the items present on disk into the shardings carried by `abstract_state`
-        (ShapeDtypeStructs); the data iterator, if saved and given, is restored in place."""
+    def check(self) -> None:
+        """Raises CheckpointSaveError if a save in flight has failed (cheap: no waiting)."""
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:
+            raise CheckpointSaveError(f"saving step {self._saving} to {self.directory} failed: "
+                                      f"{_one_line(e)}") from e
+
+    def wait(self) -> None:
+        """Blocks until the save in flight is committed; raises CheckpointSaveError if it failed."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            raise CheckpointSaveError(f"saving step {self._saving} to {self.directory} failed: "
+                                      f"{_one_line(e)}") from e
+        self.check()
+        self._saving = None
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+
+    # -- restoring ----------------------------------------------------------------------------
+    def restore(self, step: int, abstract_state: dict, data_iterator=None, *, reset=()) -> tuple[dict, dict]:
+        """(state, manifest): the items on disk restored into the shardings carried by
+        `abstract_state` (ShapeDtypeStructs) and verified against the step's manifest; the data
+        iterator, if given, is restored in place. `reset`: items the caller will start fresh."""
+        manifest = self.manifest(step)
         present = self.items(step)
-        if "params" not in present:
-            raise FileNotFoundError(f"checkpoint {self.directory}/{step} has no params item")
-        items = {k: ocp.args.StandardRestore(abstract_state[k]) for k in STATE_ITEMS
-                 if k in present and k in abstract_state}
+        expected = self._expected_items(step, manifest, present, abstract_state, data_iterator, reset)
+        state_items = [k for k in STATE_ITEMS if k in expected]
+        items = {k: ocp.args.StandardRestore(abstract_state[k]) for k in state_items}
         other_layout = None  # a data state written by another number of processes
-        if data_iterator is not None and "data" in present:
+        if "data" in expected:
             data_dir = os.path.join(self.directory, str(step), "data")
             if os.path.exists(os.path.join(data_dir, f"process_{jax.process_index()}-of-{jax.process_count()}.json")):
                 items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
             else:
                 other_layout = sorted(f for f in os.listdir(data_dir) if f.startswith("process_"))
                 if not other_layout:
-                    raise FileNotFoundError(f"checkpoint {self.directory}/{step} has a data item without "
-                                            f"iterator states")
-        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-        if other_layout:
-            # Our iterators' state is the number of global batches taken (jaxtrain/data.py), the same
-            # in every process's file, so any process's file positions this process's shard.
-            with open(os.path.join(data_dir, other_layout[0])) as f:
-                data_iterator.set_state(json.load(f))
-        return {k: restored[k] for k in items if k != "data"}
+                    raise CorruptCheckpoint(f"step {step}: the data item holds no iterator state")
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+            if other_layout:
+                # Our iterators' state is the number of global batches taken (jaxtrain/data.py), the
+                # same in every process's file, so any process's file positions this process's shard.
+                with open(os.path.join(data_dir, other_layout[0])) as f:
+                    data_iterator.set_state(json.load(f))
+        except Exception as e:  # truncated files, garbled array metadata, TensorStore errors
+            raise CorruptCheckpoint(f"step {step}: cannot be read ({type(e).__name__}: {_one_line(e)})") from None
+        state = {k: restored[k] for k in state_items}
+        if manifest is not None:
+            self._verify(step, manifest, state, data_iterator if "data" in expected else None)
+        return state, manifest or {}
 
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
+    def _expected_items(self, step, manifest, present, abstract_state, data_iterator, reset) -> set[str]:
+        wanted = {k for k in STATE_ITEMS if k in abstract_state} | ({"data"} if data_iterator is not None else set())
+        saved = set(manifest["items"]) if manifest is not None else present & set(ALL_ITEMS)
+        if "params" not in present:
+            raise CorruptCheckpoint(f"step {step}: no params item in {self.directory}/{step}")
+        converted = (manifest or {}).get("kind") == CONVERTED or (manifest is None and saved == {"params"})
+        missing = sorted((wanted & saved - present) | (set() if converted else wanted - saved))
+        missing = [k for k in missing if k not in reset]
+        if missing:
+            them = "them" if len(missing) > 1 else "it"
+            raise CheckpointError(
+                f"checkpoint {self.directory}/{step} has no {' and no '.join(missing)} item; resuming would "
+                f"silently restart {them}. Bind TrainConfig.reset_on_resume={tuple(missing)!r} to start {them} "
+                f"fresh on purpose")
+        return (wanted & saved & present) - set(reset)
 
-    def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+    def _verify(self, step: int, manifest: dict, state: dict, data_iterator) -> None:
+        actual = tree_fingerprints(state)
+        expected = {p: fp for p, fp in manifest.get("fingerprints", {}).items() if p.split("/")[0] in state}
+        wrong = [p for p, fp in expected.items() if actual.get(p) != fp]
+        if wrong:
+            raise CorruptCheckpoint(f"step {step}: {len(wrong)} array(s) differ from what was saved (fingerprint "
+                                    f"mismatch), first {wrong[0]}")
+        if data_iterator is not None and "data_state" in manifest and data_iterator.get_state() != manifest["data_state"]:
+            raise CorruptCheckpoint(f"step {step}: the data iterator state {data_iterator.get_state()} differs "
+                                    f"from the saved {manifest['data_state']}")
+
+    def restore_latest(self, abstract_state: dict, data_iterator=None, *, reset=(), strict: bool = False,
+                       quarantine: bool = True):
+        """(step, state, manifest) of the newest intact step, or None when there is none at all.
+        Corrupt newer steps are skipped with a warning naming what is wrong and, with
+        `quarantine` (a run that will write new steps), moved to `<directory>_corrupt/`; with
+        `strict` the first one raises instead. Every process takes the same decision. Raises
+        CheckpointError when steps exist but none is intact."""
+        problems = []
+        for step in reversed(self.all_steps()):
+            error = None
+            try:
+                state, manifest = self.restore(step, abstract_state, data_iterator, reset=reset)
+            except CorruptCheckpoint as e:
+                error = str(e)
+            error = _first_error_on_any_process(error)
+            if error is None:
+                if problems:
+                    self.manager.reload()
+                return step, state, manifest
+            if strict:
+                raise CorruptCheckpoint(f"{error} (TrainConfig.strict_restore: no fallback)")
+            problems.append(error)
+            where = f"moved to {self._quarantine(step)}" if quarantine else "skipped"
+            if jax.process_index() == 0:
+                print(f"warning: checkpoint {error}; {where}, falling back to an older step", file=sys.stderr,
+                      flush=True)
+        if problems:
+            raise CheckpointError(f"no intact checkpoint in {self.directory}: " + "; ".join(problems))
+        return None
+
+    def _quarantine(self, step: int) -> str:
+        target = os.path.join(self.directory + "_corrupt", f"{step}-{int(time.time())}")
+        if jax.process_index() == 0:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.move(os.path.join(self.directory, str(step)), target)
+        _barrier(f"jaxtrain_quarantine_{step}")
+        return target
+
+
+def _first_error_on_any_process(error: str | None) -> str | None:
+    """Every process must fall back together: a file one process alone failed to read counts
+    for all (the first failing process's message)."""
+    if jax.process_count() == 1:
+        return error
+    from jax.experimental import multihost_utils
+    failed = multihost_utils.process_allgather(np.int32(error is not None))
+    if not failed.any():
+        return None
+    return error or f"failed to restore on process {int(np.argmax(failed))}"
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+    from absl import logging as absl_logging
+    level = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    try:
+        yield
+    finally:
+        absl_logging.set_verbosity(level)
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text[:400] + ("..." if len(text) > 400 else "")

@@ -6,10 +6,12 @@ from typing import Any
 
 import gin
 
-from jaxtrain.data import DataConfig
+from jaxtrain.config_types import check_config_types
+from jaxtrain.data import REPO_ROOT, DataConfig
 from jaxtrain.mesh_configurable import GinMeshConfig
 from jaxtrain.optim import OptimizerConfig
 from jaxtrain.pipeline_config import PipelineConfig
+from jaxtrain.resilience.nonfinite import Halt, Rollback, Skip
 from meshes.context_layout import AllGatherKV, ContextParallel, Contiguous, LoadBalanced, RingKV
 from meshes.mesh_config import MeshConfig
 from models.layers.attention_impl import AutoAttention, BlockwiseAttention, MaterializedAttention, PallasAttention
@@ -27,6 +29,8 @@ for _cls in (LlamaConfig, DeepSeekConfig, RouterConfig, NoScaling, LinearScaling
     gin.external_configurable(_cls, module="models")
 for _cls in (ContextParallel, Contiguous, LoadBalanced, RingKV, AllGatherKV):
     gin.external_configurable(_cls, module="meshes")
+for _cls in (Halt, Skip, Rollback):
+    gin.external_configurable(_cls, module="jaxtrain")
 GinDataConfig = gin.external_configurable(DataConfig, name="DataConfig", module="jaxtrain")
 GinOptimizerConfig = gin.external_configurable(OptimizerConfig, name="OptimizerConfig", module="jaxtrain")
 
@@ -58,8 +62,16 @@ class TrainConfig:
     peer_timeout_s: float = 60.0
     hang_factor: float = 10.0
     hang_min_s: float = 120.0
+    # A step whose loss, gradient norm or new parameters are not finite is never applied; then
+    # @Halt() (exit 3), @Skip() (drop the batch) or @Rollback() (newest checkpoint, skip the batch).
+    nonfinite: Any = Halt()
+    # Checkpoint items to start fresh on resume, on purpose ("opt_state", "data"); a step
+    # lacking an item the run needs is otherwise an error.
+    reset_on_resume: tuple[str, ...] = ()
+    strict_restore: bool = False  # a corrupt newest checkpoint is an error, not a fallback
 
     def validate(self) -> None:
+        check_config_types(self)
         for name in ("steps", "global_batch", "seq_len", "microbatches", "log_every", "eval_batches",
                      "keep_checkpoints", "loss_chunk"):
             if getattr(self, name) <= 0:
@@ -67,6 +79,11 @@ class TrainConfig:
         for name in ("eval_every", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        unknown = set(self.reset_on_resume) - {"opt_state", "data"}
+        if unknown:
+            raise ValueError(f"TrainConfig.reset_on_resume may hold 'opt_state' and 'data', got {sorted(unknown)}")
+        if not hasattr(self.nonfinite, "decide"):
+            raise ValueError(f"TrainConfig.nonfinite must be @Halt(), @Skip() or @Rollback(), got {self.nonfinite!r}")
         if self.global_batch % self.microbatches:
             raise ValueError(f"TrainConfig.global_batch={self.global_batch} is not divisible by "
                              f"microbatches={self.microbatches}")
@@ -85,10 +102,13 @@ class Experiment:
 
 def load_experiment() -> Experiment:
     """The experiment the parsed gin config describes, unbound parts taking their defaults."""
-    exp = Experiment()
+    try:
+        exp = Experiment()
+    except TypeError as e:  # a binding of the wrong kind, raised while gin builds a config
+        raise ValueError(f"bad gin config: {e}") from None
     if exp.model is None:
         raise ValueError("no model configured: bind Experiment.model (e.g. `Experiment.model = @LlamaConfig()`)")
-    return dataclasses.replace(
+    exp = dataclasses.replace(
         exp,
         mesh=exp.mesh or GinMeshConfig(),
         train=exp.train or TrainConfig(),
@@ -96,7 +116,21 @@ def load_experiment() -> Experiment:
         optimizer=exp.optimizer or GinOptimizerConfig(),
         pipeline=exp.pipeline or PipelineConfig(),
     )
+    for part in (exp.model, exp.mesh, exp.train, exp.data, exp.optimizer, exp.pipeline):
+        check_config_types(part)
+    return exp
 
 
 def parse_gin(files, bindings) -> None:
+    add_config_search_path()
     gin.parse_config_files_and_bindings(list(files), list(bindings), finalize_config=False)
+
+
+_SEARCH_PATH_ADDED = []
+
+
+def add_config_search_path() -> None:
+    """Bundled configs `include 'configs/x.gin'`: resolve that from any working directory."""
+    if not _SEARCH_PATH_ADDED:
+        gin.add_config_file_search_path(str(REPO_ROOT))
+        _SEARCH_PATH_ADDED.append(True)

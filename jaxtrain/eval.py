@@ -56,7 +56,8 @@ def main(argv=None) -> int:
         fail(f"data file not found: {args.data}")
     start(args)
 
-    from jaxtrain.checkpoint import Checkpointer
+    from jaxtrain.checkpoint import CheckpointError, Checkpointer
+    from jaxtrain.resilience import exit_codes
     from jaxtrain.config import load_experiment
     from jaxtrain.data import tokenize_text_stream
     from jaxtrain.optim import make_optimizer
@@ -79,7 +80,11 @@ def main(argv=None) -> int:
         fail(str(e))
     tx, _ = make_optimizer(exp.optimizer, exp.train.steps)
     _, abstract, _ = state_shardings(exp.model, tx, mesh, get_rule_set(exp.train.rules))
-    params = checkpointer.restore(step, {"params": abstract["params"]})["params"]
+    try:  # the newest intact step (a corrupt newer one is reported and skipped, not moved)
+        step, restored, _ = checkpointer.restore_latest({"params": abstract["params"]}, quarantine=False)
+    except CheckpointError as e:
+        fail(str(e), code=exit_codes.CHECKPOINT)
+    params = restored["params"]
     checkpointer.close()
     seq_len = args.seq_len or exp.train.seq_len
     try:

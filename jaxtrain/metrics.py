@@ -35,11 +35,29 @@ class MetricsWriter:
             return
         from tensorboardX import SummaryWriter
         os.makedirs(workdir, exist_ok=True)
-        self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.jsonl = None
+        self.rewind(start_step)
         self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
         if sys.stderr.isatty():
             from tqdm import tqdm
             self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True)
+
+    def rewind(self, step: int) -> None:
+        """Forget rows after `step` (a resume or a rollback replays those steps): the file stays
+        one row per step and kind. Rewritten atomically, so a crash keeps the old file whole."""
+        if not self.enabled:
+            return
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if _row_step(line) <= step]
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                f.writelines(kept)
+            os.replace(tmp, self.path)
+        self.jsonl = open(self.path, "a")
 
     def write(self, step: int, metrics: dict, kind: str = "train", echo: bool = True) -> None:
         if not self.enabled:
@@ -68,3 +86,10 @@ class MetricsWriter:
             self.bar.close()
         self.jsonl.close()
         self.tb.close()
+
+
+def _row_step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):  # a line torn by a crash mid-write: drop it
+        return math.inf

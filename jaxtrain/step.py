@@ -150,17 +150,31 @@ def make_train_step(graphdef, tx, schedule, *, mesh, rules: RuleSet, state_shard
                 model.update_router_biases(aux)
                 new_params = nnx.to_pure_dict(nnx.state(model))
         nll, z, correct = sums
+        grad_squares = jnp.stack([jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)])
+        grad_norm, param_norm = jnp.sqrt(grad_squares.sum()), optax.tree.norm(new_params)
+        loss = nll / total_tokens
+        # A finite gradient norm bounds every gradient element, and so Adam's moments; with the
+        # loss and the new parameters finite the whole new state is. Otherwise the update is
+        # dropped on device (the policy acts when the host sees it: jaxtrain/resilience/nonfinite.py).
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(param_norm)
+        keep_if_finite = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         metrics = {
-            "loss": nll / total_tokens,
+            "loss": loss,
             "z_loss": z / total_tokens,
             "accuracy": correct / total_tokens,
-            "grad_norm": optax.tree.norm(grads),
-            "param_norm": optax.tree.norm(new_params),
+            "grad_norm": grad_norm,
+            "param_norm": param_norm,
             "learning_rate": schedule(state["step"]),
             "loss_tokens": total_tokens,
+            "nonfinite": 1.0 - finite.astype(jnp.float32),
+            # index into jax.tree.leaves(params) of the first non-finite gradient, -1 if none
+            "first_nonfinite_grad": jnp.where(jnp.isfinite(grad_squares).all(), -1,
+                                              jnp.argmax(~jnp.isfinite(grad_squares))),
             **gradients.metrics(aux),
         }
-        return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
+        new_state = {"step": state["step"] + 1, "params": keep_if_finite(new_params, params),
+                     "opt_state": keep_if_finite(opt_state, state["opt_state"])}
+        return new_state, metrics
 
     replicated = NamedSharding(mesh, PartitionSpec())
     return jax.jit(step, in_shardings=(state_shardings, batch_sharding),

@@ -6,7 +6,6 @@ resuming from the latest checkpoint in the workdir.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from jaxtrain.launch import add_common_flags, fail, start
@@ -21,17 +20,20 @@ def main(argv=None) -> int:
 
     import gin
     from jaxtrain.config import load_experiment
+    from jaxtrain.resilience.exit_codes import RunStopped
     from jaxtrain.trainer import Trainer
 
     try:
         exp = load_experiment()
-        trainer = Trainer(exp, args.workdir)
+        trainer = Trainer(exp, args.workdir, config_text=gin.config_str())
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
-    os.makedirs(args.workdir, exist_ok=True)
-    with open(os.path.join(args.workdir, "config.gin"), "w") as f:
-        f.write(gin.config_str())
-    trainer.run()
+    try:  # the workdir (lock, config.gin, checkpoints) is written only from here on
+        trainer.run()
+    except ValueError as e:  # workdir in use, checkpoints of another model: nothing was changed
+        fail(str(e))
+    except RunStopped as e:
+        fail(str(e), code=e.code)
     return 0
 
 

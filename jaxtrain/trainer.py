@@ -7,20 +7,25 @@ from __future__ import annotations
 
 import math
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain.batch_shards import process_batch_shard
-from jaxtrain.checkpoint import Checkpointer
+from jaxtrain.checkpoint import ALL_ITEMS, CheckpointError, Checkpointer
 from jaxtrain.config import Experiment
+from jaxtrain.config_types import check_config_types
 from jaxtrain.data import make_eval_batches, make_train_iterator
+from jaxtrain.fingerprint import leaf_path
 from jaxtrain.flops import peak_flops
-from jaxtrain.metrics import MetricsWriter, device_memory
 from jaxtrain.optim import make_optimizer
+from jaxtrain.resilience import exit_codes
+from jaxtrain.resilience.exit_codes import RunStopped
+from jaxtrain.resilience.peers import Peers
+from jaxtrain.tokenizer import load_tokenizer
 from jaxtrain.train_setup import build_train_setup
+from jaxtrain.workdir import WorkdirLock, check_same_model
 from meshes.mesh import build_mesh, describe
 from meshes.rules import DATA_PARALLEL_AXES, get_rule_set
 
@@ -41,6 +46,7 @@ def check_layout(exp: Experiment, mesh) -> None:
     except ValueError as e:
         raise ValueError(f"TrainConfig.seq_len={t.seq_len}: {e}") from None
     exp.model.validate(sizes)
+    check_vocabulary(exp)
     attention = getattr(exp.model, "attention", None)
     if attention is not None and hasattr(attention, "check_backend"):
         attention.check_backend(mesh.devices.flat[0].platform)
@@ -48,10 +54,32 @@ def check_layout(exp: Experiment, mesh) -> None:
     # which every caller runs next, still before anything is compiled or written.
 
 
+def check_vocabulary(exp: Experiment) -> None:
+    """Every id the tokenizer emits must have an embedding row: an id past the table embeds as
+    NaN (Flax's out-of-range gather fill), and the run would train on NaN from step 1."""
+    ids = load_tokenizer(exp.data.tokenizer).vocab_size
+    if exp.model.vocab_size < ids:
+        raise ValueError(f"{type(exp.model).__name__}.vocab_size={exp.model.vocab_size} is smaller than the "
+                         f"{ids} token ids of DataConfig.tokenizer={exp.data.tokenizer!r}: bind "
+                         f"{type(exp.model).__name__}.vocab_size >= {ids}")
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 class Trainer:
-    def __init__(self, exp: Experiment, workdir: str, devices=None):
+    def __init__(self, exp: Experiment, workdir: str, devices=None, config_text: str | None = None):
+        """`config_text`: the gin config to keep as `<workdir>/config.gin` once the run has
+        checked that the workdir's checkpoints fit it (the CLI passes gin.config_str())."""
+        for part in (exp.model, exp.mesh, exp.data, exp.optimizer):
+            check_config_types(part)
         exp.train.validate()
-        self.exp, self.workdir = exp, os.path.abspath(workdir)
+        self.exp, self.workdir, self.config_text = exp, os.path.abspath(workdir), config_text
+        self.stopped_by = None
         t = exp.train
         self.mesh = build_mesh(exp.mesh, devices)
         self.rules = get_rule_set(t.rules)
@@ -64,6 +92,7 @@ class Trainer:
                                             jax.process_index())
         self.train_iter = make_train_iterator(exp.data, seq_len=t.seq_len, global_batch=t.global_batch,
                                               seed=t.seed, process_index=shard, process_count=shards)
+        self.fresh_data_state = self.train_iter.get_state()
         self.eval_data = make_eval_batches(exp.data, seq_len=t.seq_len, batch_size=t.global_batch,
                                            max_batches=t.eval_batches, process_index=shard, process_count=shards)
         self.state_layout = setup.state  # canonical, or pipeline stages (converted at save/restore)
@@ -73,6 +102,8 @@ class Trainer:
         self.pipeline_summary = setup.summary
         self.flops_per_token = exp.model.flops_per_token(t.seq_len)
         self.peak = peak_flops(jax.devices()[0].device_kind, t.peak_flops_per_device)
+        self.leaf_paths = [leaf_path(p) for p, _ in
+                           jax.tree_util.tree_leaves_with_path(setup.state.abstract["params"])]
 
     # -- data --------------------------------------------------------------------------------
     def global_batch(self, local: dict) -> dict:
@@ -80,15 +111,33 @@ class Trainer:
                 for k in self.batch_sharding}
 
     # -- state -------------------------------------------------------------------------------
-    def restore_or_init(self, checkpointer: Checkpointer):
-        step = checkpointer.latest_step()
-        if step is None:
-            return self.state_layout.init(self.exp.train.seed)
-        state = self.state_layout.from_disk(checkpointer.restore(step, self.state_layout.disk_abstract, self.train_iter))
-        if "opt_state" not in state:  # a converted checkpoint: parameters only
+    def restore_or_init(self, checkpointer: Checkpointer) -> tuple[dict, dict]:
+        """(state, resume info: data position and skipped batches) from the newest intact
+        checkpoint (checked to hold this model's shapes), or freshly initialized."""
+        t = self.exp.train
+        latest = checkpointer.latest_step()
+        if latest is not None:
+            try:
+                saved = checkpointer.saved_shapes(latest)
+            except Exception:  # unreadable metadata: restore_latest names it and falls back
+                saved = None
+            if saved is not None:
+                check_same_model(saved, self.state_layout.disk_abstract["params"], self.exp.model, self.workdir,
+                                 latest)
+        found = checkpointer.restore_latest(self.state_layout.disk_abstract, self.train_iter,
+                                            reset=t.reset_on_resume, strict=t.strict_restore)
+        if found is None:
+            self.train_iter.set_state(self.fresh_data_state)
+            return self.state_layout.init(t.seed), {"data_position": 0, "skipped_batches": []}
+        step, restored, manifest = found
+        state = self.state_layout.from_disk(restored)
+        if "opt_state" not in state:  # a converted checkpoint, or reset on purpose
             state["opt_state"] = jax.jit(self.tx.init, out_shardings=self.shardings["opt_state"])(state["params"])
         state["step"] = jax.device_put(jnp.asarray(step, jnp.int32), self.shardings["step"])
-        return state
+        fresh_data = "data" in t.reset_on_resume or "data" not in manifest.get("items", ALL_ITEMS)
+        position = 0 if fresh_data else manifest.get("data_position", step)
+        return state, {"data_position": position, "skipped_batches": manifest.get("skipped_batches", []),
+                       "step": step}
 
     def evaluate(self, params) -> dict:
         totals = {"nll": 0.0, "tokens": 0.0, "correct": 0.0}
@@ -103,59 +152,36 @@ class Trainer:
 
     # -- loop --------------------------------------------------------------------------------
     def run(self, stop_after: int | None = None) -> list[dict]:
-        """Trains to TrainConfig.steps (or stops after `stop_after`, saving); returns train metrics."""
+        """Trains to TrainConfig.steps (or stops after `stop_after`, saving); returns the train
+        metrics rows. Raises RunStopped (with an exit code) when the run cannot go on."""
+        from jaxtrain.train_loop import TrainLoop
+
         t = self.exp.train
         is_main = jax.process_index() == 0
-        checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=t.keep_checkpoints,
-                                    async_save=t.async_checkpoint)
-        state = self.restore_or_init(checkpointer)
-        start = int(jax.device_get(state["step"]))
-        end = min(t.steps, stop_after) if stop_after else t.steps
-        writer = MetricsWriter(self.workdir, t.steps, start, enabled=is_main)
-        if is_main:
-            print(f"jaxtrain: {self.num_params / 1e6:.2f}M params, mesh {describe(self.mesh)}, rules "
-                  f"{self.rules.name}, steps {start}->{end}", flush=True)
-            if self.pipeline_summary:
-                print(f"jaxtrain: {self.pipeline_summary}", flush=True)
-        history, pending = [], None
-        tokens_per_step = t.global_batch * t.seq_len
-        interval = {"t0": time.perf_counter()}
+        lock = WorkdirLock(self.workdir).acquire() if is_main else None
         try:
-            for step in range(start, end):
-                state, metrics = self.train_step(state, self.global_batch(next(self.train_iter)))
-                if pending is not None:  # fetch the previous step while this one runs
-                    history.append(self._log(writer, *pending, interval, tokens_per_step))
-                pending = (step + 1, metrics)
-                done = step + 1
-                if t.eval_every and done % t.eval_every == 0 and done != end:
-                    writer.write(done, self.evaluate(state["params"]), kind="eval")
-                if t.checkpoint_every and done % t.checkpoint_every == 0 and done != end:
-                    checkpointer.save(done, self.state_layout.to_disk(state), self.train_iter)
-            if pending is not None:
-                history.append(self._log(writer, *pending, interval, tokens_per_step))
-            if end > start:
-                checkpointer.save(end, self.state_layout.to_disk(state), self.train_iter)
-            if end == t.steps:
-                writer.write(end, self.evaluate(state["params"]), kind="eval")
+            peers = Peers(timeout_s=t.peer_timeout_s)
+            checkpoint_dir = os.path.join(self.workdir, "checkpoints")
+            peers.check_shared_directory(checkpoint_dir)
+            checkpointer = Checkpointer(checkpoint_dir, keep=t.keep_checkpoints, async_save=t.async_checkpoint)
+            try:
+                state, resume = self.restore_or_init(checkpointer)
+            except CheckpointError as e:
+                checkpointer.close()
+                raise RunStopped(str(e), exit_codes.CHECKPOINT) from None
+            except ValueError:
+                checkpointer.close()
+                raise
+            if is_main and self.config_text is not None:  # only once the checkpoints are known to fit
+                _write_atomically(os.path.join(self.workdir, "config.gin"), self.config_text)
+            loop = TrainLoop(self, checkpointer, peers, state, resume, stop_after)
+            history = loop.run()
+            self.final_state, self.stopped_by = loop.state, loop.stopped_by
+            return history
         finally:
-            checkpointer.close()
-            writer.close()
-        self.final_state = state  # in memory layout; `canonical(final_state)` as saved
-        return history
+            if lock is not None:
+                lock.release()
 
     def canonical(self, state: dict) -> dict:
         """The state as checkpoints hold it (pipeline stages regrouped into layer stacks)."""
         return self.state_layout.to_disk(state)
-
-    def _log(self, writer, step, metrics, interval, tokens_per_step) -> dict:
-        """One metrics row per step; the time is measured between successive fetches, so the
-        first step's row includes compilation."""
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        now = time.perf_counter()
-        elapsed, interval["t0"] = now - interval["t0"], now
-        tps = tokens_per_step / max(elapsed, 1e-9)
-        values.update(step_time=elapsed, tokens_per_sec=tps,
-                      mfu=(self.flops_per_token * tps / (self.peak * self.mesh.size)) if self.peak else None,
-                      **device_memory())
-        writer.write(step, values, echo=step % self.exp.train.log_every == 0 or step == 1)
-        return {"step": step, **values}

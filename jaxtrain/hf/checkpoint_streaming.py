@@ -23,6 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
+from jaxtrain.checkpoint import CONVERTED, MANIFEST_KEY
 from jaxtrain.hf.errors import HFCheckpointError
 
 Blocks = Callable[[], Iterable[tuple[tuple[slice, ...], np.ndarray]]]
@@ -78,7 +79,11 @@ def save_streamed_params(checkpoint_dir: str, step: int, params) -> None:
     manager = ocp.CheckpointManager(os.path.abspath(checkpoint_dir), options=options,
                                     item_handlers={"params": ocp.PyTreeCheckpointHandler(type_handler_registry=registry)})
     try:
-        manager.save(step, args=ocp.args.Composite(params=ocp.args.PyTreeSave(params)), force=True)
+        # The manifest marks it parameters-only on purpose (jaxtrain/checkpoint.py); its arrays are
+        # streamed, so it carries no fingerprints.
+        manifest = {MANIFEST_KEY: {"kind": CONVERTED, "items": ["params"]}}
+        manager.save(step, args=ocp.args.Composite(params=ocp.args.PyTreeSave(params)), force=True,
+                     custom_metadata=manifest)
         manager.wait_until_finished()
     finally:
         manager.close()

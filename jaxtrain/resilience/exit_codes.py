@@ -5,3 +5,11 @@ NON_FINITE = 3  # loss or gradients not finite under the `halt` policy (or too m
 CHECKPOINT = 4  # a checkpoint could not be saved or no intact checkpoint could be restored
 PEER = 5  # another process is missing, died, or reported a failure
 HANG = 6  # a step took far longer than usual (every thread's stack is in the log)
+
+
+class RunStopped(Exception):
+    """The run cannot go on; `code` is the exit code the CLI ends with, `str()` its one line."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code

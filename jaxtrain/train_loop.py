@@ -1,0 +1,198 @@
+"""The step loop of one run: batches in, metrics out one step late, checkpoints, and what happens
+when a step is not finite, a signal arrives, a save fails or a peer goes away.
+
+Metrics of step n are fetched while step n+1 runs, so the host never stalls the device queue;
+the price is that the host learns of a non-finite step one step late. That is safe because the
+step never applies a non-finite update (jaxtrain/step.py): step n+1 ran on good state. At a
+checkpoint step the loop settles the step's metrics first, so a save always knows its state is
+finite (a sync the save needs anyway).
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+
+from jaxtrain.checkpoint import CheckpointSaveError
+from jaxtrain.metrics import MetricsWriter, device_memory
+from jaxtrain.resilience import exit_codes
+from jaxtrain.resilience.exit_codes import RunStopped
+from jaxtrain.resilience.nonfinite import HALT, ROLLBACK, SKIP, NonFiniteTracker
+from jaxtrain.resilience.preemption import StopSignals
+from jaxtrain.resilience.watchdog import Watchdog
+from meshes.mesh import describe
+
+
+class _RolledBack(Exception):
+    """Raised inside the loop to restart it from the restored checkpoint."""
+
+
+class TrainLoop:
+    def __init__(self, trainer, checkpointer, peers, state, resume: dict, stop_after: int | None):
+        self.tr, self.checkpointer, self.peers = trainer, checkpointer, peers
+        t = trainer.exp.train
+        self.t, self.state = t, state
+        self.step = int(jax.device_get(state["step"]))
+        self.end = min(t.steps, stop_after) if stop_after else t.steps
+        self.position = resume["data_position"]  # batches drawn from the data iterator so far
+        self.skipped = set(resume["skipped_batches"])  # batch positions never to train on
+        self.saved_step = resume.get("step")  # the newest step on disk, if any
+        self.tracker = NonFiniteTracker(t.nonfinite)
+        self.is_main = jax.process_index() == 0
+        self.writer = MetricsWriter(trainer.workdir, t.steps, self.step, enabled=self.is_main)
+        self.history, self.stopped_by = [], None
+        self.tokens_per_step = t.global_batch * t.seq_len
+        self._t0 = time.perf_counter()
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self) -> list[dict]:
+        t = self.t
+        if self.is_main:
+            print(f"jaxtrain: {self.tr.num_params / 1e6:.2f}M params, mesh {describe(self.tr.mesh)}, rules "
+                  f"{self.tr.rules.name}, steps {self.step}->{self.end}", flush=True)
+            if self.tr.pipeline_summary:
+                print(f"jaxtrain: {self.tr.pipeline_summary}", flush=True)
+        signals = StopSignals(self.peers).install()
+        self.watchdog = Watchdog(factor=t.hang_factor, min_seconds=t.hang_min_s, peers=self.peers).start()
+        try:
+            while True:
+                try:
+                    self._steps(signals)
+                    break
+                except _RolledBack:
+                    continue
+            self._finish()
+        except CheckpointSaveError as e:
+            message = f"process {jax.process_index()}: {e}"
+            self.peers.report_failure(message)
+            raise _stopped(message, exit_codes.CHECKPOINT) from None
+        finally:
+            self.watchdog.stop()
+            signals.restore()
+            self._close()
+        return self.history
+
+    def _steps(self, signals) -> None:
+        pending = None  # (step, metrics on device, batch position) of the step in flight
+        while self.step < self.end:
+            self.watchdog.step_started(self.step + 1)
+            position, batch = self._next_batch()
+            new_state, metrics = self.tr.train_step(self.state, batch)
+            if pending is not None:
+                self._settle(*pending)  # the previous step's metrics, while this one runs
+            self.state, self.step = new_state, self.step + 1
+            pending = (self.step, metrics, position)
+            self.checkpointer.check()
+            stop = signals.should_stop(self.step)
+            checkpoint_due = t_every(self.t.checkpoint_every, self.step) and self.step != self.end
+            if checkpoint_due or stop:  # a save must know its step was finite
+                self._settle(*pending)
+                pending = None
+            if self.t.eval_every and self.step % self.t.eval_every == 0 and self.step != self.end:
+                with self.watchdog.pause():
+                    self.writer.write(self.step, self.tr.evaluate(self.state["params"]), kind="eval")
+            if checkpoint_due or stop:
+                self._save(wait=stop)
+            if stop:
+                self.stopped_by = signals.requested or "a peer's signal"
+                if self.is_main:
+                    print(f"jaxtrain: stopped by {self.stopped_by} after step {self.step}; checkpoint saved",
+                          flush=True)
+                self.end = self.step
+                return
+        if pending is not None:
+            self._settle(*pending)
+
+    def _finish(self) -> None:
+        if self.saved_step != self.step and self.step > 0:
+            self._save(wait=True)
+        if self.stopped_by is None and self.step == self.t.steps:
+            with self.watchdog.pause():
+                self.writer.write(self.step, self.tr.evaluate(self.state["params"]), kind="eval")
+
+    def _next_batch(self):
+        """The next batch not in the skip list, as global arrays; and its position."""
+        while True:
+            local, position = next(self.tr.train_iter), self.position
+            self.position += 1
+            if position not in self.skipped:
+                return position, self.tr.global_batch(local)
+
+    # -- one step's outcome ------------------------------------------------------------------
+    def _settle(self, step: int, metrics, position: int) -> None:
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        self.watchdog.step_finished(step)
+        now = time.perf_counter()
+        elapsed, self._t0 = now - self._t0, now
+        if not values.pop("nonfinite"):
+            self.tracker.finite(step)
+            values.pop("first_nonfinite_grad")
+            self._log(step, values, elapsed)
+            return
+        action = self.tracker.nonfinite()
+        what = self._describe_nonfinite(step, values, position)
+        self.writer.write(step, {**values, "batch": position}, kind="nonfinite", echo=False)
+        if action == HALT:
+            raise _stopped(f"{what}; {self.tracker.halt_reason()}: halting, nothing saved", exit_codes.NON_FINITE)
+        self.skipped.add(position)
+        if self.is_main:
+            print(f"warning: {what}; {action}: batch {position} will not be trained on", flush=True)
+        if action == ROLLBACK:
+            self._rollback()  # raises _RolledBack; SKIP simply goes on
+
+    def _describe_nonfinite(self, step: int, values: dict, position: int) -> str:
+        index = int(values.get("first_nonfinite_grad", -1))
+        grad = (f", first non-finite gradient {self.tr.leaf_paths[index]}" if 0 <= index < len(self.tr.leaf_paths)
+                else "")
+        return (f"step {step} (batch {position}) is not finite: loss {values['loss']:.4g}, grad_norm "
+                f"{values['grad_norm']:.4g}, param_norm {values['param_norm']:.4g}{grad}")
+
+    def _rollback(self) -> None:
+        """Back to the newest checkpoint (or the initial state) and its data position; the
+        offending batches are in the skip list, so the replay trains past them."""
+        with self.watchdog.pause():
+            self.checkpointer.wait()
+            state, resume = self.tr.restore_or_init(self.checkpointer)
+        self.state, self.step = state, int(jax.device_get(state["step"]))
+        self.skipped |= set(resume["skipped_batches"])
+        self.position = resume["data_position"]  # the iterator was restored (or reset) with the state
+        self.writer.rewind(self.step)
+        self.history = [h for h in self.history if h["step"] <= self.step]
+        if self.is_main:
+            print(f"jaxtrain: rolled back to step {self.step}", flush=True)
+        raise _RolledBack()
+
+    # -- saving ------------------------------------------------------------------------------
+    def _save(self, wait: bool) -> None:
+        with self.watchdog.pause():
+            extra = {"data_position": self.position, "skipped_batches": sorted(self.skipped), "finite": True}
+            self.checkpointer.save(self.step, self.tr.state_layout.to_disk(self.state), self.tr.train_iter,
+                                   extra=extra)
+            self.saved_step = self.step
+            if wait:
+                self.checkpointer.wait()
+
+    def _close(self) -> None:
+        try:
+            self.checkpointer.close()
+        finally:
+            self.writer.close()
+
+    def _log(self, step: int, values: dict, elapsed: float) -> None:
+        """One metrics row per step; the time is measured between successive fetches, so the
+        first step's row includes compilation."""
+        tps = self.tokens_per_step / max(elapsed, 1e-9)
+        peak, devices = self.tr.peak, self.tr.mesh.size
+        values.update(step_time=elapsed, tokens_per_sec=tps,
+                      mfu=(self.tr.flops_per_token * tps / (peak * devices)) if peak else None, **device_memory())
+        self.writer.write(step, values, echo=step % self.t.log_every == 0 or step == 1)
+        self.history.append({"step": step, **values})
+
+
+def t_every(every: int, step: int) -> bool:
+    return bool(every) and step % every == 0
+
+
+def _stopped(message: str, code: int) -> RunStopped:
+    return RunStopped(message, code)

@@ -1,0 +1,57 @@
+"""Run `python -m jaxtrain.train` (or a fault-injecting wrapper) in a subprocess on a tiny model
+and read back what it left in the workdir. Subprocesses of a test session share jax's
+persistent compilation cache, so each compiles the tiny step once, not once per run."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+# vocab 272 >= the byte tokenizer's 259 ids; constant learning rate, so a run resumed with a
+# larger TrainConfig.steps trains exactly as one that was given it from the start.
+TINY = ["LlamaConfig.vocab_size=272", "LlamaConfig.embed=32", "LlamaConfig.layers=2", "LlamaConfig.mlp=64",
+        "LlamaConfig.heads=4", "LlamaConfig.kv_heads=2", "TrainConfig.seq_len=32", "TrainConfig.eval_batches=1",
+        "TrainConfig.eval_every=0", "TrainConfig.log_every=1", "MeshConfig.data=2",
+        "OptimizerConfig.decay='constant'", "OptimizerConfig.warmup_steps=0"]
+CACHE = os.path.join(tempfile.gettempdir(), f"jaxtrain-fault-tests-cache-{os.getuid()}")
+
+
+def env() -> dict:
+    out = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", PYTHONPATH=str(REPO))
+    return out
+
+
+def train_args(workdir, *bindings) -> list[str]:
+    return [f"--workdir={workdir}", *[f"--gin_param={b}" for b in (*TINY, *bindings)]]
+
+
+def train(workdir, *bindings, wrapper: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Runs the train CLI to completion; `wrapper`: a script in tests/faults/ that patches jaxtrain
+    (from its FAULT_* environment variables) and then calls jaxtrain.train.main."""
+    entry = [str(pathlib.Path(__file__).parent / wrapper)] if wrapper else ["-m", "jaxtrain.train"]
+    return subprocess.run([sys.executable, *entry, *train_args(workdir, *bindings)], cwd=REPO, env=env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def rows(workdir, kind: str = "train") -> list[dict]:
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == kind]
+
+
+def losses(workdir) -> dict[int, float]:
+    out = {}
+    for r in rows(workdir):
+        assert r["step"] not in out, f"step {r['step']} has two rows in metrics.jsonl"
+        out[r["step"]] = r["loss"]
+    return out
+
+
+def steps_on_disk(workdir) -> list[int]:
+    d = pathlib.Path(workdir) / "checkpoints"
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
