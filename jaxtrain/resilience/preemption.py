@@ -9,7 +9,8 @@ class StopSignals:
     step is dispatched; it returns True on every process at the same step once any process got
     SIGTERM or SIGINT. `restore()` puts the previous handlers back."""
 
-    def __init__(self):
+    def __init__(self, peers=None):
+        self.peers = peers
         self.requested = None  # the signal's name, once one arrived
         self._previous = {}
 
