@@ -45,6 +45,7 @@ def simulate_devices_if_needed(gin_files, gin_params, num_processes: int) -> Non
         if not os.path.exists(path):
             fail(f"gin file not found: {path}")
     try:
+        gin.add_config_file_search_path(os.path.dirname(os.path.dirname(DEFAULT_GIN)))  # bundled includes
         gin.parse_config_files_and_bindings(gin_files, gin_params, skip_unknown=True, finalize_config=False)
         needed = GinMeshConfig().fixed_device_count()
     except Exception:  # the strict parse after jax starts reports config errors clearly
