@@ -16,6 +16,9 @@ from meshes.rules import get_rule_set
 from models.llama import LlamaConfig
 
 TINY_LLAMA = LlamaConfig(vocab_size=96, embed=32, layers=2, heads=4, kv_heads=4, mlp=64)
+# For runs on the corpus (the byte tokenizer's 259 ids): a smaller vocabulary would look up
+# embeddings out of range and train on NaN. TINY_LLAMA stays for random batches within 96 ids.
+TINY_LLAMA_BYTES = dataclasses.replace(TINY_LLAMA, vocab_size=272)
 TINY_TRAIN = TrainConfig(steps=3, global_batch=16, seq_len=16, log_every=1)
 TINY_OPT = OptimizerConfig(learning_rate=1e-2, warmup_steps=1)
 
@@ -39,10 +42,13 @@ def random_packed_batch(seed: int, batch: int, length: int, vocab: int) -> dict:
 
 
 def train_losses(mesh_cfg: MeshConfig, *, model=TINY_LLAMA, train=TINY_TRAIN, opt=TINY_OPT, rules="dp",
-                 devices=None, steps: int = 3, seed: int = 0, with_metrics: bool = False, init_params=None):
+                 devices=None, steps: int = 3, seed: int = 0, with_metrics: bool = False, init_params=None,
+                 batch_fn=None, jaxprs: list | None = None):
     """Runs `steps` train steps on fresh random batches; returns (losses, final params on host)
     and, with `with_metrics`, the per-step metrics on host. `init_params` (a host tree) replaces
-    the seeded initialization, which saves compiling it again for every layout."""
+    the seeded initialization, which saves compiling it again for every layout. `batch_fn(i)`
+    gives step i's host batch (default: random_packed_batch seeded 100 + i); `jaxprs`, a list,
+    receives the train step's jaxpr (traced on the first batch)."""
     devices = devices if devices is not None else jax.devices()
     mesh = build_mesh(mesh_cfg, devices)
     rule_set = get_rule_set(rules)
@@ -60,8 +66,11 @@ def train_losses(mesh_cfg: MeshConfig, *, model=TINY_LLAMA, train=TINY_TRAIN, op
                  "opt_state": jax.jit(tx.init, out_shardings=shardings["opt_state"])(params)}
     losses, history = [], []
     for i in range(steps):
-        host = random_packed_batch(100 + i, train.global_batch, train.seq_len, model.vocab_size)
+        host = (batch_fn(i) if batch_fn is not None
+                else random_packed_batch(100 + i, train.global_batch, train.seq_len, model.vocab_size))
         batch = {k: jax.device_put(v, bsh[k]) for k, v in host.items()}
+        if jaxprs is not None and i == 0:
+            jaxprs.append(step_fn.trace(state, batch).jaxpr)
         state, metrics = step_fn(state, batch)
         losses.append(float(metrics["loss"]))
         history.append(jax.device_get(metrics))
@@ -75,8 +84,23 @@ def initial_params(model, seed: int = 0) -> dict:
         jax.random.key(seed)))
 
 
+def assert_finite(tree, what: str = "values") -> None:
+    """Every leaf finite: np.testing.assert_allclose treats NaN == NaN as equal, so two runs that
+    both went NaN would otherwise compare equal."""
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        x = np.asarray(x)
+        if not np.isfinite(x).all():
+            raise AssertionError(f"{what}{jax.tree_util.keystr(path)}: {np.size(x) - np.isfinite(x).sum()} of "
+                                 f"{np.size(x)} values are not finite")
+
+
 def assert_trees_close(a, b, rtol, atol=0.0):
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    """Leafwise allclose of two trees with as many leaves, all finite."""
+    assert_finite(a, "first tree")
+    assert_finite(b, "second tree")
+    leaves_a, leaves_b = jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)
+    assert len(leaves_a) == len(leaves_b), f"{len(leaves_a)} leaves vs {len(leaves_b)}"
+    for (path, x), y in zip(leaves_a, leaves_b):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol,
                                    err_msg=jax.tree_util.keystr(path))
 

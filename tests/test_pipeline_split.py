@@ -9,7 +9,7 @@ from jaxtrain.config import Experiment, TrainConfig
 from jaxtrain.data import DataConfig
 from jaxtrain.pipeline_config import PipelineConfig
 from jaxtrain.trainer import Trainer
-from helpers import TINY_LLAMA, TINY_OPT
+from helpers import TINY_LLAMA_BYTES, TINY_OPT
 from meshes.mesh import MeshConfig
 from meshes.pipeline_schedules import GPipe, Interleaved
 from meshes.pipeline_split import balanced_counts, chunk_counts, common_supersequence, plan_stages
@@ -76,8 +76,10 @@ def test_bad_split_is_a_clear_error(given, message):
 def _experiment(pipeline, **train):
     train = TrainConfig(**{**dict(steps=2, global_batch=16, seq_len=16, microbatches=4, eval_every=0,
                                   eval_batches=1), **train})
-    return Experiment(model=dataclasses.replace(TINY_LLAMA, layers=4), mesh=MeshConfig(pipeline=2, data=4, tensor=2),
-                      train=train, data=DataConfig(), optimizer=TINY_OPT, pipeline=pipeline)
+    # a model the corpus's byte tokens fit, so that only the pipeline setting under test is wrong
+    return Experiment(model=dataclasses.replace(TINY_LLAMA_BYTES, layers=4),
+                      mesh=MeshConfig(pipeline=2, data=4, tensor=2), train=train, data=DataConfig(),
+                      optimizer=TINY_OPT, pipeline=pipeline)
 
 
 @pytest.mark.parametrize("pipeline, train, message", [
