@@ -10,7 +10,7 @@ from helpers import TINY_LLAMA
 
 def test_packed_row_equals_documents_run_separately():
     model = TINY_LLAMA.build(nnx.Rngs(params=jax.random.key(1)))
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(2)
     lengths = [5, 9, 2]
     docs = [rng.integers(0, TINY_LLAMA.vocab_size, n).astype(np.int32) for n in lengths]
     tokens = np.concatenate(docs)[None]
