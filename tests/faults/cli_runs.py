@@ -31,12 +31,13 @@ def train_args(workdir, *bindings) -> list[str]:
     return [f"--workdir={workdir}", *[f"--gin_param={b}" for b in (*TINY, *bindings)]]
 
 
-def train(workdir, *bindings, wrapper: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def train(workdir, *bindings, wrapper: str | None = None, fault_env: dict | None = None,
+          timeout: float = 300) -> subprocess.CompletedProcess:
     """Runs the train CLI to completion; `wrapper`: a script in tests/faults/ that patches jaxtrain
-    (from its FAULT_* environment variables) and then calls jaxtrain.train.main."""
+    (from the FAULT_* variables in `fault_env`) and then calls jaxtrain.train.main."""
     entry = [str(pathlib.Path(__file__).parent / wrapper)] if wrapper else ["-m", "jaxtrain.train"]
-    return subprocess.run([sys.executable, *entry, *train_args(workdir, *bindings)], cwd=REPO, env=env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, *entry, *train_args(workdir, *bindings)], cwd=REPO,
+                          env={**env(), **(fault_env or {})}, capture_output=True, text=True, timeout=timeout)
 
 
 def rows(workdir, kind: str = "train") -> list[dict]:
