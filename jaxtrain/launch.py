@@ -1,13 +1,17 @@
 """Process start-up shared by the CLIs: gin parsing, simulated CPU devices, multi-host init.
 
 Runs before jax is imported: XLA reads the simulated-device flag only at backend start.
+Several processes join through jax.distributed within TrainConfig.peer_timeout_s (read from
+gin before jax starts), or every started one exits with exit_codes.PEER and one line.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import re
+import socket
 import sys
+import threading
 
 DEFAULT_GIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.gin")
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -58,21 +62,143 @@ def simulate_devices_if_needed(gin_files, gin_params, num_processes: int) -> Non
         os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={per_process}".strip()
 
 
+def _gin_parser(text_or_file):
+    import gin.config_parser as parser
+
+    class Placeholders(parser.ParserDelegate):  # references and macros are not needed here
+        def configurable_reference(self, scoped_name, evaluate):
+            return None
+
+        def macro(self, name):
+            return None
+
+    return parser.ConfigParser(text_or_file, Placeholders())
+
+
+def _gin_statements(path: str, seen: set):
+    """The statements of a gin file, its includes expanded in place (relative to the file too)."""
+    import gin.config_parser as parser
+
+    real = os.path.realpath(path)
+    if real in seen or not os.path.exists(path):
+        return
+    seen.add(real)
+    with open(path) as f:
+        for statement in _gin_parser(f):
+            if isinstance(statement, parser.IncludeStatement):
+                included = statement.filename
+                if not os.path.exists(included):
+                    included = os.path.join(os.path.dirname(path), statement.filename)
+                yield from _gin_statements(included, seen)
+            else:
+                yield statement
+
+
+def gin_binding(gin_files, gin_params, selector: str, arg: str, default):
+    """The value bound to `selector.arg` (unscoped) in the gin files and parameters, read before
+    jax starts and without the configurable registered; `default` when unbound or unreadable
+    (the strict parse after jax starts reports real errors)."""
+    import io
+
+    import gin.config_parser as parser
+
+    value = default
+    try:
+        statements = [s for path in gin_files for s in _gin_statements(path, set())]
+        for param in gin_params:
+            statements.extend(_gin_parser(io.StringIO(param)))
+        for s in statements:
+            if (isinstance(s, parser.BindingStatement) and not s.scope and s.arg_name == arg
+                    and s.selector.split(".")[-1] == selector):
+                value = s.value
+    except Exception:
+        return default
+    return value
+
+
+# TrainConfig.peer_timeout_s's default (jaxtrain/config.py imports jax-dependent modules, so the
+# CLI reads the binding from gin before importing it; tests/faults check the two agree).
+DEFAULT_PEER_TIMEOUT_S = 60.0
+
+
+def peer_timeout_s(gin_files, gin_params) -> float:
+    value = gin_binding(gin_files, gin_params, "TrainConfig", "peer_timeout_s", DEFAULT_PEER_TIMEOUT_S)
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return DEFAULT_PEER_TIMEOUT_S
+    return value if value > 0 else DEFAULT_PEER_TIMEOUT_S
+
+
+def _launched_process_id(args) -> int | None:
+    if args.process_id is not None:
+        return args.process_id
+    for var in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return None
+
+
+def _coordinator_reachable(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]") or "localhost", int(port)), timeout=2):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def join_processes(args, processes: int, timeout_s: float) -> None:
+    """jax.distributed.initialize, bounded: if the processes have not all joined the coordinator
+    within `timeout_s`, exits with exit_codes.PEER and one line (jax's own timeout would abort
+    with a C++ stack trace instead, so jax's is set later than ours). Also sets jax's heartbeat
+    timeout above ours (jaxtrain/resilience/peers.py notices a dead peer first) and turns off
+    jax's preemption notifier (jaxtrain/resilience/preemption.py handles SIGTERM)."""
+    import jax
+
+    from jaxtrain.resilience import exit_codes
+
+    if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.config.update("jax_enable_preemption_service", False)
+    except (AttributeError, KeyError):  # a jax without the option
+        pass
+    kwargs = {}
+    if args.coordinator_address:
+        kwargs = dict(coordinator_address=args.coordinator_address, num_processes=args.num_processes,
+                      process_id=args.process_id)
+    address = args.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or "the coordinator"
+    process = _launched_process_id(args)
+    who = f"process {process}" if process is not None else "this process"
+    joined = threading.Event()
+
+    def give_up():
+        if joined.wait(timeout_s):
+            return
+        if process != 0 and address != "the coordinator" and not _coordinator_reachable(address):
+            what = f"cannot reach the coordinator at {address} (is process 0 running there?)"
+        else:
+            what = f"not all {processes} processes joined the coordinator at {address}"
+        print(f"error: {who}: {what} within {timeout_s:g} s (TrainConfig.peer_timeout_s)",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(exit_codes.PEER)
+
+    threading.Thread(target=give_up, name="jaxtrain-join-timeout", daemon=True).start()
+    jax.distributed.initialize(**kwargs, initialization_timeout=int(timeout_s) + 60,
+                               heartbeat_timeout_seconds=int(max(100, 3 * timeout_s)),
+                               shutdown_timeout_seconds=int(max(30, 2 * timeout_s)))
+    joined.set()
+
+
 def start(args) -> None:
     """Parse gin for real (strict) and join the other processes when there are several."""
     gin_files = args.gin_file or [DEFAULT_GIN]
     processes = _launched_processes(args)
     simulate_devices_if_needed(gin_files, args.gin_param, processes)
-    import jax
-
     if processes > 1:
-        if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        kwargs = {}
-        if args.coordinator_address:
-            kwargs = dict(coordinator_address=args.coordinator_address, num_processes=args.num_processes,
-                          process_id=args.process_id)
-        jax.distributed.initialize(**kwargs)
+        join_processes(args, processes, peer_timeout_s(gin_files, args.gin_param))
 
     from jaxtrain.config import parse_gin  # registers every configurable
     try:

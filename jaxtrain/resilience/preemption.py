@@ -1,31 +1,125 @@
-"""SIGTERM / SIGINT -> a stop request that every process agrees on (stub: single process)."""
+"""SIGTERM / SIGINT -> a stop at a step every process agrees on, saved, exit 0.
+
+A signal may reach only one process. The agreement goes through the coordinator's key-value
+store (`jaxtrain/stop/`):
+- the signalled process publishes `request` ("process i: SIGTERM") at its next step boundary;
+- at every boundary each process looks for a request with one non-blocking read;
+- a process that knows of a request publishes `step/<i>`, the step it is at, and waits (at most
+  the peer timeout) for every process's; all stop at the largest. Collectives keep the processes
+  within a step of each other, so each can reach that step.
+- at its last boundary a process publishes its step even without a request, so that a request
+  made while it finishes the run is answered (with the last step) instead of waited for.
+
+jax's own mechanism (`multihost_utils.reached_preemption_sync_point`) does work on CPU with gloo
+(checked on jax 0.10: a SIGTERM to one of two processes stopped both at the same call), but its
+notifier is a C++ SIGTERM handler installed at `jax.distributed.initialize`: a Python SIGTERM
+handler replaces it (then the sync point is never reached), it knows no SIGINT, counts calls
+rather than steps and does nothing with one process. The CLI therefore turns it off
+(jaxtrain/launch.py) and this module handles both signals in every case.
+"""
 from __future__ import annotations
 
+import os
 import signal
+import threading
+import time
+
+from jaxtrain.resilience import exit_codes
+from jaxtrain.resilience.peers import write_line
+
+PREFIX = "jaxtrain/stop/"
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class StopSignals:
     """Installed for the duration of a run. `should_stop(step)` is called by the loop after each
-    step is dispatched; it returns True on every process at the same step once any process got
-    SIGTERM or SIGINT. `restore()` puts the previous handlers back."""
+    step is dispatched, with the number of completed steps, including the run's last step; it
+    returns True on every process at the same step once any process got SIGTERM or SIGINT. A
+    second SIGINT exits at once, without saving (exit code 130). `restore()` puts the previous
+    handlers back.
 
-    def __init__(self, peers=None):
+    `peers` (jaxtrain.resilience.peers.Peers) carries the coordinator for several processes;
+    `last_step` is the step the run ends at (see the module docstring)."""
+
+    def __init__(self, peers=None, *, last_step: int | None = None):
         self.peers = peers
-        self.requested = None  # the signal's name, once one arrived
+        self.last_step = last_step
+        self.requested = None  # the signal's name, once one arrived here
+        self.request = None  # who asked, once known: "process i: SIGTERM"
+        self.stop_at = None  # the agreed step
         self._previous = {}
+        self._published_request = self._published_step = False
+        self.index = peers.index if peers is not None else 0
+        self._multi = peers is not None and peers.enabled
 
     def install(self) -> "StopSignals":
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        if threading.current_thread() is not threading.main_thread():
+            return self  # Python takes signals in the main thread only
+        for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
 
     def _on_signal(self, signum, frame):
-        self.requested = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if self.requested is None:
+            self.requested = name
+            write_line(f"jaxtrain: process {self.index}: {name} received: finishing the current step, "
+                       f"saving it and exiting (a second SIGINT exits at once, without saving)")
+        elif signum == signal.SIGINT:
+            message = f"process {self.index}: second SIGINT: exiting at once, without saving"
+            if self._multi:
+                self.peers.abort(128 + signal.SIGINT, message)
+            write_line(f"error: {message}")
+            os._exit(128 + signal.SIGINT)
 
     def should_stop(self, step: int) -> bool:
-        return self.requested is not None
+        if not self._multi:
+            if self.requested is not None and self.stop_at is None:
+                self.stop_at, self.request = step, f"process {self.index}: {self.requested}"
+            return self.requested is not None
+        if self.stop_at is not None:
+            return step >= self.stop_at
+        client = self.peers.client
+        if self.requested is not None and not self._published_request:
+            self.request = f"process {self.index}: {self.requested}"
+            client.key_value_set(PREFIX + "request", self.request, allow_overwrite=True)
+            self._published_request = True
+        if self.request is None:
+            try:
+                self.request = client.key_value_try_get(PREFIX + "request")
+            except Exception:  # NOT_FOUND: nobody asked (a lost coordinator is the watcher's business)
+                pass
+        if self.request is None:
+            if self.last_step is not None and step >= self.last_step:
+                self._publish_step(step)
+            return False
+        self._publish_step(step)
+        self.stop_at = self._agree()
+        print(f"jaxtrain: process {self.index}: stopping at step {self.stop_at} ({self.request})", flush=True)
+        return step >= self.stop_at
+
+    def _publish_step(self, step: int) -> None:
+        if not self._published_step:
+            self.peers.client.key_value_set(PREFIX + f"step/{self.index}", str(step), allow_overwrite=True)
+            self._published_step = True
+
+    def _agree(self) -> int:
+        """The largest step any process published; waits for all, at most the peer timeout."""
+        deadline = time.monotonic() + self.peers.timeout_s
+        steps = []
+        for j in range(self.peers.count):
+            left_ms = max(int((deadline - time.monotonic()) * 1000), 1)
+            try:
+                steps.append(int(self.peers.client.blocking_key_value_get(PREFIX + f"step/{j}", left_ms)))
+            except Exception:
+                self.peers.abort(exit_codes.PEER,
+                                 f"process {self.index}: {self.peers.name(j)} did not reach a step boundary "
+                                 f"within {self.peers.timeout_s:g} s while the processes agreed on the step "
+                                 f"to stop at ({self.request})")
+        return max(steps)
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            # None: a handler installed outside Python (jax's C++ SIGTERM notifier); not restorable
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         self._previous = {}
