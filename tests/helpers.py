@@ -43,12 +43,13 @@ def random_packed_batch(seed: int, batch: int, length: int, vocab: int) -> dict:
 
 def train_losses(mesh_cfg: MeshConfig, *, model=TINY_LLAMA, train=TINY_TRAIN, opt=TINY_OPT, rules="dp",
                  devices=None, steps: int = 3, seed: int = 0, with_metrics: bool = False, init_params=None,
-                 batch_fn=None, jaxprs: list | None = None):
+                 batch_fn=None, jaxprs: list | None = None, allow_nonfinite: bool = False):
     """Runs `steps` train steps on fresh random batches; returns (losses, final params on host)
     and, with `with_metrics`, the per-step metrics on host. `init_params` (a host tree) replaces
     the seeded initialization, which saves compiling it again for every layout. `batch_fn(i)`
     gives step i's host batch (default: random_packed_batch seeded 100 + i); `jaxprs`, a list,
-    receives the train step's jaxpr (traced on the first batch)."""
+    receives the train step's jaxpr (traced on the first batch). The losses and parameters must
+    be finite (two NaN runs compare equal) unless `allow_nonfinite`."""
     devices = devices if devices is not None else jax.devices()
     mesh = build_mesh(mesh_cfg, devices)
     rule_set = get_rule_set(rules)
@@ -75,6 +76,8 @@ def train_losses(mesh_cfg: MeshConfig, *, model=TINY_LLAMA, train=TINY_TRAIN, op
         losses.append(float(metrics["loss"]))
         history.append(jax.device_get(metrics))
     result = (np.array(losses), jax.device_get(state["params"]))
+    if not allow_nonfinite:
+        assert_finite(result, "train_losses (losses, params)")
     return result + (history,) if with_metrics else result
 
 

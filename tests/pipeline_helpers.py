@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from helpers import TINY_OPT, random_packed_batch
+from helpers import TINY_OPT, assert_finite, random_packed_batch
 from jaxtrain.optim import make_optimizer
 from jaxtrain.state import abstract_model, map_with_path
 from jaxtrain.train_setup import build_train_setup
@@ -39,9 +39,11 @@ def initial_params(model, seed: int = 0) -> dict:
     return map_with_path(make, nnx.to_pure_dict(abstract_model(model)[1]))
 
 
-def run_steps(mesh_cfg, model, train, params0, *, pipeline=None, rules="dp", devices=None, steps: int = 3):
+def run_steps(mesh_cfg, model, train, params0, *, pipeline=None, rules="dp", devices=None, steps: int = 3,
+              allow_nonfinite: bool = False):
     """`steps` train steps from `params0` on fresh random batches. Returns (losses, canonical
-    params on host, last metrics on host, final in-memory state, the TrainSetup)."""
+    params on host, last metrics on host, final in-memory state, the TrainSetup). The losses and
+    parameters must be finite (two NaN runs compare equal) unless `allow_nonfinite`."""
     mesh = build_mesh(mesh_cfg, devices if devices is not None else jax.devices())
     tx, schedule = make_optimizer(PIPELINE_OPT, train.steps)
     setup = build_train_setup(model, train, tx, schedule, mesh, get_rule_set(rules), pipeline)
@@ -57,4 +59,6 @@ def run_steps(mesh_cfg, model, train, params0, *, pipeline=None, rules="dp", dev
         state, metrics = setup.train_step(state, batch)
         losses.append(float(metrics["loss"]))
     params = jax.device_get(layout.to_disk({"params": state["params"]})["params"])
+    if not allow_nonfinite:
+        assert_finite((losses, params), "run_steps (losses, params)")
     return np.array(losses), params, jax.device_get(metrics), state, setup

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import TINY_LLAMA, assert_trees_close
+from helpers import TINY_LLAMA, assert_finite, assert_trees_close
 from jaxtrain.config import Experiment, TrainConfig
 from jaxtrain.data import DataConfig
 from jaxtrain.pipeline_config import PipelineConfig
@@ -33,7 +33,9 @@ def experiment(mesh: MeshConfig, pipeline: PipelineConfig) -> Experiment:
 def run(mesh: MeshConfig, pipeline: PipelineConfig, workdir):
     trainer = Trainer(experiment(mesh, pipeline), str(workdir))
     history = trainer.run()
-    return history, jax.device_get(trainer.canonical(trainer.final_state)["params"])
+    params = jax.device_get(trainer.canonical(trainer.final_state)["params"])
+    assert_finite(([h["loss"] for h in history], params), "losses and params")  # NaN == NaN would pass
+    return history, params
 
 
 def resume_from(source, step: int, workdir, mesh: MeshConfig, pipeline: PipelineConfig):
