@@ -22,7 +22,9 @@ reset that item.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import logging
 import os
 import shutil
 import time
@@ -53,8 +55,35 @@ class CheckpointSaveError(CheckpointError):
     """An (async) save failed; the step was not committed."""
 
 
+def _drop_closed_loop_callbacks(previous):
+    """When an async write fails (a full disk), Orbax closes its event loop while TensorStore still
+    has write callbacks queued on it; each then prints an 'Event loop is closed' traceback.
+    The failure itself reaches the trainer as one CheckpointSaveError, so these are dropped."""
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value):
+            return
+        previous(unraisable)
+    hook.jaxtrain = True
+    return hook
+
+
+class _OrbaxTracebacksToOneLine(logging.Filter):
+    """Orbax logs a failed background write with its whole traceback (~50 lines per thread);
+    the same failure reaches the trainer as a CheckpointSaveError. Keep Orbax's line, drop
+    the traceback."""
+
+    def filter(self, record) -> bool:
+        if record.exc_info and "orbax" in record.pathname:
+            record.msg, record.args = " ".join(record.getMessage().split())[:300], None
+            record.exc_info = record.exc_text = None
+        return True
+
+
 class Checkpointer:
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+        if not getattr(sys.unraisablehook, "jaxtrain", False):
+            sys.unraisablehook = _drop_closed_loop_callbacks(sys.unraisablehook)
+            logging.getLogger("absl").addFilter(_OrbaxTracebacksToOneLine())
         self.directory = os.path.abspath(directory)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                enable_async_checkpointing=async_save)
@@ -102,7 +131,7 @@ class Checkpointer:
         """Starts saving `state` (any of STATE_ITEMS; params alone is a valid checkpoint) as
         `step`, with `extra` (JSON) in its manifest. Raises CheckpointSaveError if the previous
         async save failed."""
-        self.check()
+        self.wait()  # Orbax would wait for the previous save anyway; this names its failure right
         saved = {k: state[k] for k in STATE_ITEMS if k in state}
         items = {k: ocp.args.StandardSave(v) for k, v in saved.items()}
         manifest = {"items": sorted(saved), "fingerprints": tree_fingerprints(saved), "time": time.time(),
@@ -115,7 +144,7 @@ class Checkpointer:
             self.manager.save(step, args=ocp.args.Composite(**items), force=True,
                               custom_metadata={MANIFEST_KEY: manifest})
         except Exception as e:
-            raise CheckpointSaveError(f"saving step {step} to {self.directory} failed: {_one_line(e)}") from e
+            raise CheckpointSaveError(f"saving step {step} to {self.directory} failed: {_save_failure(e)}") from e
         self._saving = step
 
     def check(self) -> None:
@@ -124,7 +153,7 @@ class Checkpointer:
             self.manager.check_for_errors()
         except Exception as e:
             raise CheckpointSaveError(f"saving step {self._saving} to {self.directory} failed: "
-                                      f"{_one_line(e)}") from e
+                                      f"{_save_failure(e)}") from e
 
     def wait(self) -> None:
         """Blocks until the save in flight is committed; raises CheckpointSaveError if it failed."""
@@ -132,21 +161,21 @@ class Checkpointer:
             self.manager.wait_until_finished()
         except Exception as e:
             raise CheckpointSaveError(f"saving step {self._saving} to {self.directory} failed: "
-                                      f"{_one_line(e)}") from e
+                                      f"{_save_failure(e)}") from e
         self.check()
         self._saving = None
 
     def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self.manager.close()
+        """Waits for the save in flight and closes; after a failed save it only raises (closing
+        Orbax's manager then would leave its writer threads failing against a closed loop)."""
+        self.wait()
+        self.manager.close()
 
     # -- restoring ----------------------------------------------------------------------------
-    def restore(self, step: int, abstract_state: dict, data_iterator=None, *, reset=()) -> tuple[dict, dict]:
-        """(state, manifest): the items on disk restored into the shardings carried by
-        `abstract_state` (ShapeDtypeStructs) and verified against the step's manifest; the data
-        iterator, if given, is restored in place. `reset`: items the caller will start fresh."""
+    def restore(self, step: int, abstract_state: dict, data_iterator=None, *, reset=()) -> dict:
+        """The items on disk restored into the shardings carried by `abstract_state`
+        (ShapeDtypeStructs) and verified against the step's manifest; the data iterator, if
+        given, is restored in place. `reset`: items the caller will start fresh."""
         manifest = self.manifest(step)
         present = self.items(step)
         expected = self._expected_items(step, manifest, present, abstract_state, data_iterator, reset)
@@ -173,7 +202,7 @@ class Checkpointer:
         state = {k: restored[k] for k in state_items}
         if manifest is not None:
             self._verify(step, manifest, state, data_iterator if "data" in expected else None)
-        return state, manifest or {}
+        return state
 
     def _expected_items(self, step, manifest, present, abstract_state, data_iterator, reset) -> set[str]:
         wanted = {k for k in STATE_ITEMS if k in abstract_state} | ({"data"} if data_iterator is not None else set())
@@ -213,14 +242,14 @@ class Checkpointer:
         for step in reversed(self.all_steps()):
             error = None
             try:
-                state, manifest = self.restore(step, abstract_state, data_iterator, reset=reset)
+                state = self.restore(step, abstract_state, data_iterator, reset=reset)
             except CorruptCheckpoint as e:
                 error = str(e)
             error = _first_error_on_any_process(error)
             if error is None:
                 if problems:
                     self.manager.reload()
-                return step, state, manifest
+                return step, state, self.manifest(step) or {}
             if strict:
                 raise CorruptCheckpoint(f"{error} (TrainConfig.strict_restore: no fallback)")
             problems.append(error)
@@ -268,6 +297,14 @@ def _quiet_absl():
         yield
     finally:
         absl_logging.set_verbosity(level)
+
+
+def _save_failure(e: BaseException) -> str:
+    """One line for a failed save, leading with the cause an operator acts on."""
+    text = _one_line(e)
+    if getattr(e, "errno", None) == errno.ENOSPC or "No space left" in text or "RESOURCE_EXHAUSTED" in text:
+        return f"No space left on device ({text})"
+    return text
 
 
 def _one_line(e: BaseException) -> str:

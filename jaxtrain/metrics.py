@@ -82,6 +82,7 @@ class MetricsWriter:
     def close(self) -> None:
         if not self.enabled:
             return
+        self.enabled = False  # closing twice (an error path, then the end of the run) is harmless
         if self.bar is not None:
             self.bar.close()
         self.jsonl.close()

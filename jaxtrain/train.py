@@ -6,6 +6,7 @@ resuming from the latest checkpoint in the workdir.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from jaxtrain.launch import add_common_flags, fail, start
@@ -20,6 +21,7 @@ def main(argv=None) -> int:
 
     import gin
     from jaxtrain.config import load_experiment
+    from jaxtrain.resilience import exit_codes
     from jaxtrain.resilience.exit_codes import RunStopped
     from jaxtrain.trainer import Trainer
 
@@ -33,6 +35,12 @@ def main(argv=None) -> int:
     except ValueError as e:  # workdir in use, checkpoints of another model: nothing was changed
         fail(str(e))
     except RunStopped as e:
+        if e.code in (exit_codes.CHECKPOINT, exit_codes.PEER, exit_codes.HANG):
+            # Background writers or collectives may still be stuck on the failure: exit now,
+            # with the one line, rather than through their teardown noise.
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(e.code)
         fail(str(e), code=e.code)
     return 0
 

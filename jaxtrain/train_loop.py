@@ -66,11 +66,18 @@ class TrainLoop:
         except CheckpointSaveError as e:
             message = f"process {jax.process_index()}: {e}"
             self.peers.report_failure(message)
-            raise _stopped(message, exit_codes.CHECKPOINT) from None
+            self.writer.close()
+            raise RunStopped(message, exit_codes.CHECKPOINT) from None
+        except BaseException:  # halted (non-finite), or an unexpected error: keep what was saved
+            try:
+                self._close()
+            except RunStopped:
+                pass
+            raise
         finally:
             self.watchdog.stop()
             signals.restore()
-            self._close()
+        self._close()
         return self.history
 
     def _steps(self, signals) -> None:
@@ -134,7 +141,7 @@ class TrainLoop:
         what = self._describe_nonfinite(step, values, position)
         self.writer.write(step, {**values, "batch": position}, kind="nonfinite", echo=False)
         if action == HALT:
-            raise _stopped(f"{what}; {self.tracker.halt_reason()}: halting, nothing saved", exit_codes.NON_FINITE)
+            raise RunStopped(f"{what}; {self.tracker.halt_reason()}: halting, nothing saved", exit_codes.NON_FINITE)
         self.skipped.add(position)
         if self.is_main:
             print(f"warning: {what}; {action}: batch {position} will not be trained on", flush=True)
@@ -176,6 +183,10 @@ class TrainLoop:
     def _close(self) -> None:
         try:
             self.checkpointer.close()
+        except CheckpointSaveError as e:  # the last save failed
+            message = f"process {jax.process_index()}: {e}"
+            self.peers.report_failure(message)
+            raise RunStopped(message, exit_codes.CHECKPOINT) from None
         finally:
             self.writer.close()
 
@@ -192,7 +203,3 @@ class TrainLoop:
 
 def t_every(every: int, step: int) -> bool:
     return bool(every) and step % every == 0
-
-
-def _stopped(message: str, code: int) -> RunStopped:
-    return RunStopped(message, code)
