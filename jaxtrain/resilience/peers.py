@@ -224,6 +224,7 @@ class Peers:
         `exit_code` at exit, skipping jax's shutdown barrier, which cannot complete any more."""
         if not self.enabled:
             return
+        self._blame_peers(message)  # a failure caused by a peer's is that peer's: exits PEER then
         self._reported = True
         if exit_code is not None:
             self._exit_code = exit_code
@@ -278,30 +279,53 @@ class Peers:
         `finally`). With several processes it never returns for an unexpected error: it waits (at
         most timeout_s) for the watcher to name a dead or failed peer when the error may come from
         one (exit PEER), and otherwise prints the traceback, reports this process's failure and
-        exits 1. A RunStopped or SystemExit (a decided stop: its code is kept for the exit if this
-        process reported a failure) and a KeyboardInterrupt pass through."""
+        exits 1. A RunStopped or SystemExit is a decided stop and passes through (every process
+        reaches a non-finite halt together), unless this process reported a failure: then its
+        peers are leaving, nothing collective (a checkpoint manager's closing barrier) can finish,
+        and a RunStopped ends the process here, with its code and line. A KeyboardInterrupt
+        passes through."""
         if not self.enabled:
             return
         if isinstance(exc, (RunStopped, SystemExit)):
             code = getattr(exc, "code", None)
             if self._reported and isinstance(code, int) and self._exit_code is None:
                 self._exit_code = code
+            if self._reported and isinstance(exc, RunStopped):
+                self.abort(exc.code, str(exc), tell_peers=False)
             return
         if not isinstance(exc, Exception):
             return
         text = f"{type(exc).__name__}: {_one_line(exc, 300)}"
-        if any(word in str(exc).lower() for word in _COMMUNICATION_WORDS):
-            write_line(f"jaxtrain: process {self.index}: {text}; checking the other processes "
-                       f"(up to {self.timeout_s:g} s)")
-            deadline = time.monotonic() + self.timeout_s
-            while time.monotonic() < deadline:  # the watcher thread exits the process on a verdict
-                gone = sorted(self._gone)
-                if gone:
-                    self.abort(exit_codes.PEER, f"process {self.index}: {self.name(gone[0])} left the run "
-                                                f"while this process still needed it ({text})")
-                time.sleep(0.1)
+        self._blame_peers(text)
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
         self.abort(1, f"process {self.index}: {text}")
+
+    def _blame_peers(self, text: str) -> None:
+        """Before this process reports an error of its own: if a peer failed, left or died, that
+        is the cause (a collective or a save with it breaks here too): exits PEER naming it. A
+        peer's report is read at once; an error that may come from a peer waits (at most
+        timeout_s) for the watcher to tell whether one is dead. Returns if none is to blame."""
+        def verdict():
+            try:
+                line = self._observe(self._read(), time.monotonic())
+            except Exception:  # the coordinator is gone: the watcher says so
+                line = None
+            if line is None and self._gone:
+                j = min(self._gone)
+                line = (f"process {self.index}: {self.name(j)} left the run while this process still "
+                        f"needed it ({text})")
+            if line is not None:
+                self.abort(exit_codes.PEER, line, tell_peers=not self._failures)
+
+        verdict()
+        if not any(word in text.lower() for word in _COMMUNICATION_WORDS):
+            return
+        write_line(f"jaxtrain: process {self.index}: {text}; checking the other processes "
+                   f"(up to {self.timeout_s:g} s)")
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(self.period)
+            verdict()
 
     # -- the shared checkpoint directory ---------------------------------------------------------
     def check_shared_directory(self, path: str) -> None:
@@ -347,7 +371,7 @@ class Peers:
         missing = [j for j, r in sorted(results.items()) if not r["ok"]]
         if missing:
             others = ", ".join(f"process {j} (host {results[j]['host']}, {results[j]['path']})" for j in missing)
-            raise ValueError(f"the checkpoint directory is not one directory shared by every process: "
+            raise ValueError(f"process {self.index}: the checkpoint directory is not one directory shared by every process: "
                              f"{others} cannot see the marker that process 0 (host {results[0]['host']}) "
                              f"wrote in {results[0]['path']}; put the workdir on storage every host mounts")
 

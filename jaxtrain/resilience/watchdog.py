@@ -20,12 +20,14 @@ from jaxtrain.resilience.peers import flush_and_exit, write_line
 
 
 class Watchdog:
-    """`step_started(step)` / `step_finished(step)` bracket each step as the host sees it (the
-    metrics of a step are fetched one step late); a step taking longer than `factor` x the median
-    step (the median of the last `window` steps after the first `warmup`, which include
-    compilation and are not timed; never below `min_seconds`) dumps every thread's stack and exits
-    the process with exit_codes.HANG. Until a step after the warm-up has finished there is no
-    limit. Work inside `with watchdog.pause():` (saves, evals) is not timed."""
+    """`step_started(step)` / `step_finished(step)` bracket each step as the host sees it; the
+    brackets may overlap (the metrics of a step are fetched one step late, after the next step is
+    dispatched). A step takes the time between successive `step_finished` calls. When no step has
+    finished for longer than `factor` x the median step (of the last `window` steps after the
+    first `warmup`, which include compilation and are not timed; never below `min_seconds`) while
+    a step is in flight, the thread dumps every thread's stack and exits the process with
+    exit_codes.HANG. Until a step after the warm-up has finished there is no limit. Time inside
+    `with watchdog.pause():` (saves, evals, restores) is not counted."""
 
     def __init__(self, *, factor: float = 10.0, min_seconds: float = 60.0, warmup: int = 2, peers=None,
                  window: int = 50, process_index: int | None = None):
@@ -33,7 +35,8 @@ class Watchdog:
         self.index = process_index if process_index is not None else (peers.index if peers is not None else 0)
         self._durations = collections.deque(maxlen=window)
         self._finished = 0
-        self._current = None  # (step, start time) of the step in flight
+        self._in_flight: dict[int, float] = {}  # step -> when it started
+        self._since = None  # the last step's finish (or the first start), pauses added
         self._paused_since = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -48,20 +51,25 @@ class Watchdog:
 
     def step_started(self, step: int) -> None:
         with self._lock:
-            self._current = (step, time.monotonic())
+            now = time.monotonic()
+            self._in_flight = {s: t for s, t in self._in_flight.items() if s < step}  # a replay restarts
+            self._in_flight[step] = now
+            if self._since is None:
+                self._since = now
 
     def step_finished(self, step: int) -> None:
         with self._lock:
-            if self._current is None or self._current[0] != step:
+            if step not in self._in_flight:
                 return
-            elapsed = time.monotonic() - self._current[1]
-            self._current = None
+            now = time.monotonic()
             self._finished += 1
             if self._finished > self.warmup:
-                self._durations.append(elapsed)
+                self._durations.append(now - self._since)
+            self._since = now
+            self._in_flight = {s: t for s, t in self._in_flight.items() if s > step}
 
     def limit(self) -> float | None:
-        """Seconds the current step may take; None while warming up."""
+        """Seconds without a finished step allowed; None while warming up."""
         if not self._durations:
             return None
         return max(self.min_seconds, self.factor * statistics.median(self._durations))
@@ -80,25 +88,25 @@ class Watchdog:
                 with self._lock:
                     paused = time.monotonic() - self._paused_since
                     self._paused_since = None
-                    if self._current is not None:  # a pause inside a step does not count for it
-                        self._current = (self._current[0], self._current[1] + paused)
+                    if self._since is not None:
+                        self._since += paused
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
             with self._lock:
-                if self._current is None or self._paused_since is not None:
+                if not self._in_flight or self._paused_since is not None:
                     continue
-                step, started = self._current
-                limit = self.limit()
-            elapsed = time.monotonic() - started
+                steps, since, limit = sorted(self._in_flight), self._since, self.limit()
+            elapsed = time.monotonic() - since
             if limit is not None and elapsed > limit and not self._stop.is_set():
-                self._hang(step, elapsed, limit)
+                self._hang(steps, elapsed, limit)
 
-    def _hang(self, step: int, elapsed: float, limit: float) -> None:
+    def _hang(self, steps: list[int], elapsed: float, limit: float) -> None:
         median = statistics.median(self._durations)
-        message = (f"process {self.index}: step {step} has run for {elapsed:.0f} s, over the hang limit "
-                   f"{limit:.0f} s (max(TrainConfig.hang_min_s={self.min_seconds:g}, hang_factor={self.factor:g} "
-                   f"x the median step {median:.3g} s)); every thread's stack follows")
+        flight = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+        message = (f"process {self.index}: hung: no step finished for {elapsed:.0f} s ({flight} in flight), "
+                   f"over the limit {limit:.0f} s = max(TrainConfig.hang_min_s={self.min_seconds:g}, "
+                   f"hang_factor={self.factor:g} x the median step {median:.3g} s); every thread's stack follows")
         write_line(f"error: {message}")
         try:
             sys.stderr.flush()

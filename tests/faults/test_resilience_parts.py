@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from unittest import mock
 
 import pytest
 
@@ -222,19 +223,23 @@ def test_a_second_sigint_exits_at_once_without_saving():
 # -- the watchdog ---------------------------------------------------------------------------------
 def test_the_hang_limit_follows_the_median_step_after_the_warmup():
     w = Watchdog(factor=10, min_seconds=0.5, warmup=2)
-    for step, seconds in enumerate([3.0, 2.0, 0.01, 0.2, 0.01], start=1):
-        w.step_started(step)
-        w._current = (step, time.monotonic() - seconds)
-        assert w.limit() is None or step > 3
-        w.step_finished(step)
-    assert w.limit() == pytest.approx(0.5)  # 10 x median(0.01, 0.2, 0.01) = 0.1 < min_seconds
-    w._durations.extend([0.2, 0.2, 0.2])
-    assert w.limit() == pytest.approx(2.0)
-    with w.pause():  # paused time does not count for the step in flight
-        w.step_started(9)
-        started = w._current[1]
-        time.sleep(0.05)
-    assert w._current[1] >= started + 0.05
+    t = [100.0]
+    with mock.patch.object(time, "monotonic", lambda: t[0]):
+        w.step_started(1)
+        for step, seconds in enumerate([3.0, 2.0, 0.01, 0.2, 0.01], start=1):
+            w.step_started(step + 1)  # dispatched before the previous step's metrics are fetched
+            t[0] += seconds
+            w.step_finished(step)
+            assert (w.limit() is None) == (step <= 2)
+        assert w.limit() == pytest.approx(0.5)  # 10 x median(0.01, 0.2, 0.01) = 0.1 < min_seconds
+        w._durations.extend([0.2, 0.2, 0.2])
+        assert w.limit() == pytest.approx(2.0)
+        before = w._since
+        with w.pause():  # paused time does not count
+            t[0] += 30
+        assert w._since == before + 30
+        w.step_started(4)  # a replay after a rollback restarts the steps from 4
+        assert sorted(w._in_flight) == [4]
 
 
 def test_a_hung_step_dumps_every_threads_stack_and_exits_hang():
@@ -242,15 +247,15 @@ def test_a_hung_step_dumps_every_threads_stack_and_exits_hang():
         "import time\n"
         "from jaxtrain.resilience.watchdog import Watchdog\n"
         "w = Watchdog(factor=5, min_seconds=1.0, warmup=1).start()\n"
+        "w.step_started(1)\n"
         "for step in range(1, 6):\n"
-        "    w.step_started(step); time.sleep(0.02); w.step_finished(step)\n"
+        "    w.step_started(step + 1); time.sleep(0.02); w.step_finished(step)\n"
         "def a_step_that_never_ends():\n"
         "    time.sleep(60)\n"
-        "w.step_started(6)\n"
-        "t0 = time.time()\n"
+        "w.step_started(7)\n"
         "a_step_that_never_ends()\n")
     assert proc.returncode == exit_codes.HANG, proc.stderr
-    assert "error: process 0: step 6 has run for 1 s, over the hang limit 1 s" in proc.stderr
+    assert "error: process 0: hung: no step finished for 1 s (steps 6-7 in flight), over the limit 1 s" in proc.stderr
     assert "every thread's stack follows" in proc.stderr
-    assert "a_step_that_never_ends" in proc.stderr and 'Thread' in proc.stderr  # the main thread's stack
+    assert "a_step_that_never_ends" in proc.stderr and "Thread" in proc.stderr  # the main thread's stack
     assert "jaxtrain/resilience/watchdog.py" in proc.stderr  # and the watchdog's own thread
