@@ -93,3 +93,12 @@ def test_diverging_run_resumed_from_a_good_one_keeps_the_good_checkpoints(tmp_pa
     assert on_disk and max(on_disk) == nonfinite_step - 1  # every checkpoint is of a finite step
     finite = losses(workdir)
     assert all(np.isfinite(finite[s]) for s in on_disk)
+
+
+def test_skip_halts_when_the_run_keeps_diverging(tmp_path):
+    proc = train(tmp_path / "run", "TrainConfig.steps=12", *EVERY, "OptimizerConfig.learning_rate=1e6",
+                 "TrainConfig.nonfinite=@Skip()", "Skip.max_consecutive=3")
+    assert proc.returncode == exit_codes.NON_FINITE, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "4 non-finite steps in a row (Skip.max_consecutive=3)" in last, last
+    assert len(rows(tmp_path / "run", "nonfinite")) == 4
