@@ -69,6 +69,8 @@ class TrainConfig:
     # lacking an item the run needs is otherwise an error.
     reset_on_resume: tuple[str, ...] = ()
     strict_restore: bool = False  # a corrupt newest checkpoint is an error, not a fallback
+    # (start, stop): a jax.profiler trace of steps start..stop into <workdir>/profile (jaxtrain/profiling.py)
+    profile_steps: tuple[int, int] | None = None
 
     def validate(self) -> None:
         check_config_types(self)
@@ -79,6 +81,9 @@ class TrainConfig:
         for name in ("eval_every", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.profile_steps is not None and not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
+            raise ValueError(f"TrainConfig.profile_steps must be (start, stop) with 1 <= start <= stop, "
+                             f"got {self.profile_steps}")
         unknown = set(self.reset_on_resume) - {"opt_state", "data"}
         if unknown:
             raise ValueError(f"TrainConfig.reset_on_resume may hold 'opt_state' and 'data', got {sorted(unknown)}")

@@ -16,6 +16,7 @@ import jax
 
 from jaxtrain.checkpoint import CheckpointSaveError
 from jaxtrain.metrics import MetricsWriter, device_memory
+from jaxtrain.profiling import StepProfiler
 from jaxtrain.resilience import exit_codes
 from jaxtrain.resilience.exit_codes import RunStopped
 from jaxtrain.resilience.nonfinite import HALT, ROLLBACK, SKIP, NonFiniteTracker
@@ -54,6 +55,7 @@ class TrainLoop:
             if self.tr.pipeline_summary:
                 print(f"jaxtrain: {self.tr.pipeline_summary}", flush=True)
         signals = StopSignals(self.peers).install()
+        self.profiler = StepProfiler(self.tr.workdir, t.profile_steps)
         self.watchdog = Watchdog(factor=t.hang_factor, min_seconds=t.hang_min_s, peers=self.peers).start()
         try:
             while True:
@@ -75,6 +77,7 @@ class TrainLoop:
                 pass
             raise
         finally:
+            self.profiler.close()
             self.watchdog.stop()
             signals.restore()
         self._close()
@@ -85,7 +88,9 @@ class TrainLoop:
         while self.step < self.end:
             self.watchdog.step_started(self.step + 1)
             position, batch = self._next_batch()
+            self.profiler.before_step(self.step + 1)
             new_state, metrics = self.tr.train_step(self.state, batch)
+            self.profiler.after_step(self.step + 1, (new_state, metrics))
             if pending is not None:
                 self._settle(*pending)  # the previous step's metrics, while this one runs
             self.state, self.step = new_state, self.step + 1
