@@ -1,14 +1,19 @@
 """SIGTERM / SIGINT -> a stop at a step every process agrees on, saved, exit 0.
 
 A signal may reach only one process. The agreement goes through the coordinator's key-value
-store (`jaxtrain/stop/`):
+store (`jaxtrain/stop/`), without blocking until it has to:
 - the signalled process publishes `request` ("process i: SIGTERM") at its next step boundary;
 - at every boundary each process looks for a request with one non-blocking read;
-- a process that knows of a request publishes `step/<i>`, the step it is at, and waits (at most
-  the peer timeout) for every process's; all stop at the largest. Collectives keep the processes
-  within a step of each other, so each can reach that step.
+- a process that knows of a request publishes `step/<i>`, the boundary it is at, and goes on;
+  the stop is at S = 1 + the largest published step. A process waits for the missing steps
+  (at most the peer timeout) only at a boundary that could be S, i.e. >= 1 + the largest it
+  knows. Waiting at the first boundary instead deadlocks: a peer one boundary ahead that looked
+  before the request was published needs this process's next step to reach another boundary.
+  Collectives keep processes within a boundary of each other, so S is at most two steps after
+  the boundary where the request was published.
 - at its last boundary a process publishes its step even without a request, so that a request
-  made while it finishes the run is answered (with the last step) instead of waited for.
+  made while it finishes the run is answered (S past the end: everyone ends normally) instead of
+  waited for.
 
 jax's own mechanism (`multihost_utils.reached_preemption_sync_point`) does work on CPU with gloo
 (checked on jax 0.10: a SIGTERM to one of two processes stopped both at the same call), but its
@@ -34,7 +39,8 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class StopSignals:
     """Installed for the duration of a run. `should_stop(step)` is called by the loop after each
     step is dispatched, with the number of completed steps, including the run's last step; it
-    returns True on every process at the same step once any process got SIGTERM or SIGINT. A
+    returns True on every process at the same step once any process got SIGTERM or SIGINT: with
+    one process at the step it is called with, with several within two steps after it. A
     second SIGINT exits at once, without saving (exit code 130). `restore()` puts the previous
     handlers back.
 
@@ -94,7 +100,12 @@ class StopSignals:
                 self._publish_step(step)
             return False
         self._publish_step(step)
-        self.stop_at = self._agree()
+        known = self._published()
+        if len(known) < self.peers.count:
+            if step < max(known.values()) + 1:
+                return False  # this cannot be the stop step yet: go on without waiting
+            known = self._wait_for_all(known)
+        self.stop_at = max(known.values()) + 1
         print(f"jaxtrain: process {self.index}: stopping at step {self.stop_at} ({self.request})", flush=True)
         return step >= self.stop_at
 
@@ -103,20 +114,26 @@ class StopSignals:
             self.peers.client.key_value_set(PREFIX + f"step/{self.index}", str(step), allow_overwrite=True)
             self._published_step = True
 
-    def _agree(self) -> int:
-        """The largest step any process published; waits for all, at most the peer timeout."""
+    def _published(self) -> dict[int, int]:
+        entries = self.peers.client.key_value_dir_get(PREFIX + "step/")
+        return {int(k.rsplit("/", 1)[1]): int(v) for k, v in entries}
+
+    def _wait_for_all(self, known: dict[int, int]) -> dict[int, int]:
+        """Every process's published step; waits for the missing ones, at most the peer timeout."""
         deadline = time.monotonic() + self.peers.timeout_s
-        steps = []
+        known = dict(known)
         for j in range(self.peers.count):
+            if j in known:
+                continue
             left_ms = max(int((deadline - time.monotonic()) * 1000), 1)
             try:
-                steps.append(int(self.peers.client.blocking_key_value_get(PREFIX + f"step/{j}", left_ms)))
+                known[j] = int(self.peers.client.blocking_key_value_get(PREFIX + f"step/{j}", left_ms))
             except Exception:
                 self.peers.abort(exit_codes.PEER,
                                  f"process {self.index}: {self.peers.name(j)} did not reach a step boundary "
                                  f"within {self.peers.timeout_s:g} s while the processes agreed on the step "
                                  f"to stop at ({self.request})")
-        return max(steps)
+        return known
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
