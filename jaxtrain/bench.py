@@ -1,4 +1,5 @@
 """`python -m jaxtrain.bench step --gin_file=F [--layout data=8,tensor=2,rules=fsdp ...] [--compile_only]`
+`python -m jaxtrain.bench collectives --mesh data=4,tensor=4 [...]`: see jaxtrain/bench_collectives.py.
 
 For each layout (default: the config's own), compiles the train step on abstract arrays and
 prints XLA's per-device memory (arguments, outputs, temporaries) and collective counts; unless
@@ -19,6 +20,7 @@ import statistics
 import sys
 import time
 
+from jaxtrain import bench_collectives
 from jaxtrain.launch import add_common_flags, fail, start
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -167,13 +169,16 @@ def format_row(name: str, r: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxtrain.bench", description=__doc__)
-    parser.add_argument("what", choices=["step"])
+    parser.add_argument("what", choices=["step", "collectives"])
     add_common_flags(parser)
+    bench_collectives.add_flags(parser)
     parser.add_argument("--layout", action="append", default=[],
                         help="e.g. data=8,tensor=2,rules=fsdp (repeatable; default: the config's mesh)")
     parser.add_argument("--compile_only", action="store_true")
     parser.add_argument("--steps", type=int, default=5, help="timed steps after two warm-up steps")
     args = parser.parse_args(argv)
+    if args.what == "collectives":
+        return _collectives(args)
     try:
         layouts = [(spec, *parse_layout(spec)) for spec in args.layout]
     except ValueError as e:
@@ -200,6 +205,19 @@ def main(argv=None) -> int:
         except ValueError as e:
             print(f"{spec:<34} | error: {e}", flush=True)
     return 0
+
+
+def _collectives(args) -> int:
+    try:
+        mesh_sizes, _, _ = bench_collectives.check_args(args)
+    except ValueError as e:
+        fail(str(e))
+    needed = math.prod(mesh_sizes.values()) if mesh_sizes else 0
+    if needed > 1 and _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        per_process = max(needed // max(args.num_processes or 1, 1), 1)
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}={per_process}".strip()
+    start(args)
+    return bench_collectives.main(args, fail)
 
 
 if __name__ == "__main__":
