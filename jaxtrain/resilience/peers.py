@@ -225,9 +225,12 @@ class Peers:
         if not self.enabled:
             return
         self._blame_peers(message)  # a failure caused by a peer's is that peer's: exits PEER then
-        self._reported = True
         if exit_code is not None:
             self._exit_code = exit_code
+        self._publish_failure(message)
+
+    def _publish_failure(self, message: str) -> None:
+        self._reported = True
         try:
             self._set(f"failed/{self.index}", _one_line(self._own(message)))
         except Exception as e:
@@ -251,7 +254,7 @@ class Peers:
             write_line(f"error: {message}")
         self._stop.set()
         if tell_peers:
-            self.report_failure(message)
+            self._publish_failure(message)
         try:
             self._set(f"gone/{self.index}", "failed")
         except Exception:
