@@ -8,11 +8,17 @@ Every section is guarded: an error prints and the next section runs.
 
   python benchmarks/kernel_bench.py [--sections gmm,route,ssd,conv,flash] [--quick]
   python benchmarks/kernel_bench.py --smoke   # tiny shapes: checks the script
+  python benchmarks/kernel_bench.py --json rows.jsonl   # also one JSON line per row, as it is measured
+
+A row's "goal" (in the JSON) is its target in numbers: {"kind": "vs_dense" | "vs_xla" | "roof",
+"min": x} means dense_ms / pallas_ms, xla_ms / pallas_ms or roof_ms / pallas_ms should be >= x.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import signal
 import statistics
@@ -35,6 +41,7 @@ from pallas_kernels.ssd_scan import ssd_scan  # noqa: E402
 BF16 = jnp.bfloat16
 ROWS = []  # (section, case, pallas_ms, xla_ms, roof_ms, target, note)
 SMOKE = False  # --smoke: tiny shapes so the script itself can be checked on CPU
+JSONL = None  # --json: path that every row is appended to as one JSON line
 
 
 def size(real, tiny):
@@ -58,7 +65,7 @@ def time_ms(fn, *args, iters=20, min_ms=20.0):
     once = max((time.perf_counter() - t0) * 1e3, 1e-3)
     reps = max(1, min(1000, int(min_ms / once)))
     samples = []
-    for _ in range(max(3, iters // 4)):
+    for _ in range(1 if SMOKE else max(3, iters // 4)):
         t0 = time.perf_counter()
         for _ in range(reps):
             out = fn(*args)
@@ -81,13 +88,25 @@ class Roofline:
         ms = time_ms(jax.jit(lambda p, q: p @ q), a, a)
         self.matmul = 2 * m**3 / (ms * 1e-3)
         print(f"copy bandwidth {self.bandwidth / 1e12:.2f} TB/s, " f"bf16 matmul {self.matmul / 1e12:.0f} TFLOP/s")
+        write_json({"kind": "roofline", "bandwidth": self.bandwidth, "matmul_flops": self.matmul, "measured": True})
 
     def ms(self, nbytes, flops=0.0):
         return 1e3 * max(nbytes / self.bandwidth, flops / self.matmul)
 
 
-def add_row(section, case, pallas_ms, xla_ms, roof_ms, target="", note=""):
+def write_json(record):
+    if JSONL:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        with open(JSONL, "a") as f:
+            f.write(json.dumps(clean) + "\n")
+
+
+def add_row(section, case, pallas_ms, xla_ms, roof_ms, target="", note="", goal=None, dense_ms=None):
+    """goal: (kind, min), see the module docstring; dense_ms: a dense matmul of the same FLOPs."""
     ROWS.append((section, case, pallas_ms, xla_ms, roof_ms, target, note))
+    write_json({"kind": "kernel", "section": section, "case": case, "pallas_ms": pallas_ms, "xla_ms": xla_ms,
+                "roof_ms": roof_ms, "dense_ms": dense_ms, "target": target, "note": note,
+                "goal": {"kind": goal[0], "min": goal[1]} if goal else None})
     print(f"  {case}: pallas {pallas_ms:.3f} ms, xla {xla_ms:.3f} ms, " f"roofline {roof_ms:.3f} ms {note}", flush=True)
 
 
@@ -159,6 +178,8 @@ def bench_gmm(roof, quick):
             roof.ms(nbytes, flops),
             f">=70% dense: {100 * dense_ms / ms:.0f}%",
             f"best blocks {cfg}",
+            goal=("vs_dense", 0.70),
+            dense_ms=dense_ms,
         )
         bm, bn, bk, warps, stages = cfg
         tuned = jax.jit(
@@ -172,6 +193,7 @@ def bench_gmm(roof, quick):
             time_ms(tuned, lhs, rhs, skewed),
             time_ms(xla, lhs, rhs, skewed),
             roof.ms(nbytes, flops),
+            dense_ms=dense_ms,
         )
 
         def grads(impl):
@@ -186,6 +208,7 @@ def bench_gmm(roof, quick):
             time_ms(grads("xla"), lhs, rhs, balanced),
             roof.ms(3 * nbytes, 3 * flops),
             f"vs 3 dense: {300 * dense_ms / p_ms:.0f}%",
+            dense_ms=3 * dense_ms,
         )
 
 
@@ -217,6 +240,7 @@ def bench_route(roof, quick):
                 roof.ms(nbytes),
                 ">=50% roof",
                 "(µs-scale: launch-bound)" if t <= 8192 else "",
+                goal=("roof", 0.50),
             )
 
 
@@ -246,7 +270,8 @@ def bench_ssd(roof, quick):
         flops = -(-seq // chunk) * h * (2 * chunk * chunk * (n + p) + 4 * chunk * p * n)
         fwd = lambda impl: jax.jit(lambda *a: ssd_scan(*a, chunk_size=chunk, D=d, impl=impl))
         p_ms, x_ms = time_ms(fwd("pallas"), *args), time_ms(fwd("xla"), *args)
-        add_row("ssd", f"fwd b=1 l={seq}", p_ms, x_ms, roof.ms(nbytes, flops), f">=2x xla: {x_ms / p_ms:.2f}x")
+        add_row("ssd", f"fwd b=1 l={seq}", p_ms, x_ms, roof.ms(nbytes, flops), f">=2x xla: {x_ms / p_ms:.2f}x",
+                goal=("vs_xla", 2.0))
 
         def grads(impl):
             def loss(*a):
@@ -264,6 +289,7 @@ def bench_ssd(roof, quick):
                 x_ms,
                 roof.ms(3 * nbytes, 3 * flops),
                 f">=2x xla: {x_ms / p_ms:.2f}x",
+                goal=("vs_xla", 2.0),
             )
         except Exception as e:
             print(f"  ssd fwd+bwd l={seq}: {type(e).__name__}: {str(e)[:300]}")
@@ -331,9 +357,10 @@ def main():
     parser.add_argument("--quick", action="store_true", help="one size per kernel, no block sweep")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks the script, not the kernels")
     parser.add_argument("--budget_s", type=float, default=280.0, help="skip sections that would start after this")
+    parser.add_argument("--json", default=None, help="append every row to this file as one JSON line")
     args = parser.parse_args()
-    global SMOKE
-    SMOKE = args.smoke
+    global SMOKE, JSONL
+    SMOKE, JSONL = args.smoke, args.json
 
     def on_timeout(*_):  # `timeout` sends SIGTERM: still print what we have
         print("\n== interrupted (SIGTERM)")
@@ -352,19 +379,26 @@ def main():
         print("roofline probes failed; using H200 spec sheet numbers")
         roof = Roofline.__new__(Roofline)
         roof.bandwidth, roof.matmul = 4.8e12, 989e12
+        write_json({"kind": "roofline", "bandwidth": roof.bandwidth, "matmul_flops": roof.matmul, "measured": False})
+    failed = []
     for name in args.sections.split(","):
         if time.time() - start > args.budget_s:
             print(f"== {name}: skipped (time budget)")
+            write_json({"kind": "section", "section": name, "status": "skipped (time budget)"})
             continue
         print(f"== {name}", flush=True)
         try:
             SECTIONS[name](roof, args.quick)
-        except Exception:
+            write_json({"kind": "section", "section": name, "status": "done"})
+        except Exception as e:
             traceback.print_exc()
             print(f"== {name}: FAILED (continuing)", flush=True)
+            failed.append(name)
+            write_json({"kind": "section", "section": name, "status": f"failed: {type(e).__name__}: {str(e)[:300]}"})
     print_table()
-    print(f"total {time.time() - start:.0f} s")
+    print(f"total {time.time() - start:.0f} s" + (f"; failed sections: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
