@@ -7,13 +7,16 @@ prints XLA's per-device memory (arguments, outputs, temporaries) and collective 
 pipeline: `pipeline=4,schedule=interleaved2,microbatches=8,split=7/7/7/6` (the pipeline
 bubble fraction is printed with it), and the attention and context parallelism:
 `context=16,attention=blockwise,kv=ring,order=balanced` (attention=materialized|blockwise|
-pallas|auto, kv=ring|allgather, order=balanced|contiguous). Layouts run side by side
+pallas|pallas_interpret|auto, kv=ring|allgather, order=balanced|contiguous). Layouts run side by side
 in one process, so their ratios are comparable even on a noisy machine. Compile-only sizing
-allocates nothing, so full-size models can be sized on CPU.
+allocates nothing, so full-size models can be sized on CPU. --json PATH appends one JSON line per
+layout (the printed figures plus the model, batch and device) for scripts such as
+benchmarks/gpu_check.sh.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -26,7 +29,7 @@ from jaxtrain.launch import add_common_flags, fail, start
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
-ATTENTION_KEYS = ("materialized", "blockwise", "pallas", "auto")
+ATTENTION_KEYS = ("materialized", "blockwise", "pallas", "pallas_interpret", "auto")
 KV_KEYS = ("ring", "allgather")
 ORDER_KEYS = ("balanced", "contiguous")
 
@@ -88,7 +91,8 @@ def apply_layout(base, mesh_sizes: dict, rules: str | None, other: dict):
 def _attention(name: str):
     from models.layers import attention_impl as impl
     return {"materialized": impl.MaterializedAttention(), "blockwise": impl.BlockwiseAttention(),
-            "pallas": impl.PallasAttention(), "auto": impl.AutoAttention()}[name]
+            "pallas": impl.PallasAttention(), "pallas_interpret": impl.PallasAttention(interpret=True),
+            "auto": impl.AutoAttention()}[name]
 
 
 def bench_layout(exp, *, steps: int, compile_only: bool) -> dict:
@@ -167,6 +171,28 @@ def format_row(name: str, r: dict) -> str:
                                  if coll_text else "")
 
 
+def json_record(spec: str, exp, r: dict | None, error: str | None = None) -> dict:
+    """One layout's result for --json: the figures without the per-op collective tables."""
+    import jax
+
+    model, t = exp.model, exp.train
+    record = {"layout": spec, "model": type(model).__name__, "dtype": getattr(model, "dtype", None),
+              "remat": getattr(model, "remat", None), "global_batch": t.global_batch, "seq_len": t.seq_len,
+              "microbatches": t.microbatches, "device_kind": jax.devices()[0].device_kind,
+              "devices": jax.device_count(), "flops_per_token": model.flops_per_token(t.seq_len)}
+    for name, kwargs in (("params", {}), ("active_params", {"active_only": True})):
+        try:
+            record[name] = model.param_count(**kwargs)
+        except (AttributeError, TypeError):
+            pass
+    if error is not None:
+        record["error"] = error
+    else:
+        record.update({k: v for k, v in r.items() if k not in ("collectives", "executed")})
+        record["collective_bytes"] = sum(v["bytes"] for v in r.get("executed", {}).values())
+    return record
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxtrain.bench", description=__doc__)
     parser.add_argument("what", choices=["step", "collectives"])
@@ -198,13 +224,32 @@ def main(argv=None) -> int:
         fail(str(e))
     print(f"# {jax.devices()[0].device_kind} x {jax.device_count()}, model {type(base.model).__name__}, "
           f"batch {base.train.global_batch} x {base.train.seq_len}", flush=True)
+
+    def record(*a, **kw):  # step: --json (the collectives' flag) appends one line per layout
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(json_record(*a, **kw)) + "\n")
+
+    crashed = False
     for spec, mesh_sizes, rules, other in layouts or [("config", {}, None, {})]:
+        exp = base
         try:
             exp = apply_layout(base, mesh_sizes, rules, other)
-            print(format_row(spec, bench_layout(exp, steps=args.steps, compile_only=args.compile_only)), flush=True)
+            result = bench_layout(exp, steps=args.steps, compile_only=args.compile_only)
+            print(format_row(spec, result), flush=True)
+            record(spec, exp, result)
         except ValueError as e:
             print(f"{spec:<34} | error: {e}", flush=True)
-    return 0
+            record(spec, exp, None, error=str(e))
+        except Exception as e:  # e.g. out of memory: the next layout still runs, the exit code says it
+            if not args.json:
+                raise
+            import traceback
+            traceback.print_exc()
+            print(f"{spec:<34} | failed: {type(e).__name__}", flush=True)
+            record(spec, exp, None, error=f"{type(e).__name__}: {str(e)[:500]}")
+            crashed = True
+    return 1 if crashed else 0
 
 
 def _collectives(args) -> int:
