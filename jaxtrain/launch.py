@@ -186,9 +186,14 @@ def join_processes(args, processes: int, timeout_s: float) -> None:
         os._exit(exit_codes.PEER)
 
     threading.Thread(target=give_up, name="jaxtrain-join-timeout", daemon=True).start()
-    jax.distributed.initialize(**kwargs, initialization_timeout=int(timeout_s) + 60,
-                               heartbeat_timeout_seconds=int(max(100, 3 * timeout_s)),
-                               shutdown_timeout_seconds=int(max(30, 2 * timeout_s)))
+    timeouts = dict(heartbeat_timeout_seconds=int(max(100, 3 * timeout_s)),
+                    shutdown_timeout_seconds=int(max(30, 2 * timeout_s)))
+    try:
+        jax.distributed.initialize(**kwargs, initialization_timeout=int(timeout_s) + 60, **timeouts)
+    except TypeError as e:  # a jax without one of these arguments: keep jax's own
+        if not any(name in str(e) for name in timeouts):
+            raise
+        jax.distributed.initialize(**kwargs, initialization_timeout=int(timeout_s) + 60)
     joined.set()
 
 

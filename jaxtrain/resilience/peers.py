@@ -374,8 +374,8 @@ class Peers:
         missing = [j for j, r in sorted(results.items()) if not r["ok"]]
         if missing:
             others = ", ".join(f"process {j} (host {results[j]['host']}, {results[j]['path']})" for j in missing)
-            raise ValueError(f"process {self.index}: the checkpoint directory is not one directory shared by every process: "
-                             f"{others} cannot see the marker that process 0 (host {results[0]['host']}) "
+            raise ValueError(f"process {self.index}: the checkpoint directory is not one directory shared by "
+                             f"every process: {others} cannot see the marker that process 0 (host {results[0]['host']}) "
                              f"wrote in {results[0]['path']}; put the workdir on storage every host mounts")
 
     def _sees_marker(self, marker: str, nonce: str) -> bool:

@@ -24,17 +24,19 @@ def start_two(procs, workdirs, bindings, port, fault_env=None):
 
 
 def test_a_process_that_never_joins_ends_the_started_one_within_the_timeout(tmp_path):
-    """Process 0 alone waits for process 1 at the coordinator; process 1 alone finds none."""
+    """Process 0 alone waits for process 1 at the coordinator; process 1 alone (on another port)
+    finds none."""
     timeout = 8
-    with reserved_port() as port, running() as procs:
-        procs += [Live(process_args(tmp_path / f"run{i}", ["TrainConfig.steps=3", f"TrainConfig.peer_timeout_s={timeout}"],
-                                    port + i, i, 2), wrapper=None) for i in range(2)]  # port + 1: nobody serves it
+    bindings = ["TrainConfig.steps=3", f"TrainConfig.peer_timeout_s={timeout}"]
+    with reserved_port() as port, reserved_port() as unserved, running() as procs:
+        procs += [Live(process_args(tmp_path / f"run{i}", bindings, (port, unserved)[i], i, 2), wrapper=None)
+                  for i in range(2)]
         codes = [p.wait(timeout + 60) for p in procs]
     assert codes == [exit_codes.PEER] * 2, [p.stderr[-2000:] for p in procs]
     assert procs[0].errors() == [f"error: process 0: not all 2 processes joined the coordinator at localhost:{port} "
                                  f"within {timeout} s (TrainConfig.peer_timeout_s)"]
-    assert procs[1].errors() == [f"error: process 1: cannot reach the coordinator at localhost:{port + 1} (is process 0 "
-                                 f"running there?) within {timeout} s (TrainConfig.peer_timeout_s)"]
+    assert procs[1].errors() == [f"error: process 1: cannot reach the coordinator at localhost:{unserved} (is process "
+                                 f"0 running there?) within {timeout} s (TrainConfig.peer_timeout_s)"]
     for i, p in enumerate(procs):
         assert timeout <= p.ended - p.started < timeout + 30  # jax's start-up, then the bound
         no_crash_dump(p)

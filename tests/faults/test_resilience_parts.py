@@ -108,7 +108,8 @@ def test_a_silent_peer_is_dead_after_the_bound_and_a_failure_is_quoted(coordinat
     # a peer that left normally is not waited for; a peer's failure is quoted, naming it
     assert peers._observe({"beat/1": "2", "gone/1": "ok"}, t0 + 9 * peers.dead_after) is None
     verdict = peers._observe({"failed/1": "process 1: checkpoint save of step 4 failed: disk full"}, t0)
-    assert verdict == "process 0: stopping because process 1 (nodeB) failed: checkpoint save of step 4 failed: disk full"
+    assert verdict == ("process 0: stopping because process 1 (nodeB) failed: "
+                       "checkpoint save of step 4 failed: disk full")
 
 
 def test_the_shared_directory_check_passes_on_one_directory(coordinator, tmp_path):

@@ -68,8 +68,8 @@ def test_a_signal_mid_step_saves_that_step_and_the_resume_loses_none(tmp_path, r
 def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_saved_step(tmp_path, reference):
     workdir = tmp_path / "run"
     with reserved_port() as port, running() as procs:
-        procs += [Live(process_args(workdir, [f"TrainConfig.steps={STEPS}", "TrainConfig.peer_timeout_s=15"], port, i, 2),
-                       fault_env=SLOW) for i in range(2)]
+        bindings = [f"TrainConfig.steps={STEPS}", "TrainConfig.peer_timeout_s=15"]
+        procs += [Live(process_args(workdir, bindings, port, i, 2), fault_env=SLOW) for i in range(2)]
         procs[0].wait_for(r"^step 3 \[train\]", 180)
         procs[1].popen.send_signal(signal.SIGTERM)
         assert [p.wait(90) for p in procs] == [0, 0], [p.stderr[-2000:] for p in procs]
