@@ -65,17 +65,31 @@ def _strides(shape) -> list[int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(treedef):
+def _jitted(count: int):
+    """One jitted function per leaf count (jit itself caches per shapes and shardings)."""
     return jax.jit(lambda leaves: [_device_leaf(x) for x in leaves])
 
 
 def tree_fingerprints(tree) -> dict[str, str]:
-    """{"path/to/leaf": "xxxxxxxx-xxxxxxxx"} for every array leaf of `tree` (computed on device,
-    where the arrays live, in their own shardings)."""
+    """{"path/to/leaf": "xxxxxxxx-xxxxxxxx"} for every array leaf of `tree`, computed on device
+    in the arrays' own shardings. Leaves kept in host memory (offloaded optimizer state) visit
+    the device one at a time, so hashing them never holds more than one on the device."""
     paths_leaves = jax.tree_util.tree_leaves_with_path(tree)
-    leaves = [leaf for _, leaf in paths_leaves]
-    sums = jax.device_get(_jitted(jax.tree.structure(tree))(leaves))
-    return {leaf_path(p): _format(s) for (p, _), s in zip(paths_leaves, sums)}
+    on_host = [_memory_kind(leaf) not in (None, "device") for _, leaf in paths_leaves]
+    device_leaves = [leaf for (_, leaf), host in zip(paths_leaves, on_host) if not host]
+    sums = iter(jax.device_get(_jitted(len(device_leaves))(device_leaves)))
+    out = {}
+    for (path, leaf), host in zip(paths_leaves, on_host):
+        if host:
+            leaf = jax.device_put(leaf, leaf.sharding.with_memory_kind("device"))
+            out[leaf_path(path)] = _format(jax.device_get(_jitted(1)([leaf])[0]))
+        else:
+            out[leaf_path(path)] = _format(next(sums))
+    return out
+
+
+def _memory_kind(leaf):
+    return getattr(getattr(leaf, "sharding", None), "memory_kind", None)
 
 
 def block_fingerprint(blocks, shape) -> str:

@@ -78,6 +78,13 @@ def shardings_by_path(tree, names: dict, shapes: dict, mesh, table: Table):
                             other=lambda leaf: replicated)
 
 
+def in_memory(shardings, memory_kind: str):
+    """The same layouts in another memory ("device", "pinned_host")."""
+    if memory_kind == "device":
+        return shardings
+    return jax.tree.map(lambda s: s.with_memory_kind(memory_kind), shardings)
+
+
 def with_shardings(abstract, shardings):
     """ShapeDtypeStructs carrying their shardings (what Orbax restores into)."""
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
@@ -91,7 +98,8 @@ def state_shardings(model_cfg, tx, mesh, rules: RuleSet):
     shardings = {
         "step": NamedSharding(mesh, PartitionSpec()),
         "params": param_shardings(abstract_state, mesh, rules.params),
-        "opt_state": optimizer_shardings(opt_abstract, abstract_state, mesh, rules.optimizer_table),
+        "opt_state": in_memory(optimizer_shardings(opt_abstract, abstract_state, mesh, rules.optimizer_table),
+                               rules.optimizer_memory),
     }
     abstract = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params_abstract, "opt_state": opt_abstract}
     return graphdef, with_shardings(abstract, shardings), shardings

@@ -18,8 +18,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.checkpoint import STATE_ITEMS
 from jaxtrain.pipeline_layout import PipelineLayout
-from jaxtrain.state import (abstract_model, count_params, init_state, optimizer_shardings, param_shardings,
-                            shardings_by_path, state_shardings, with_shardings)
+from jaxtrain.state import (abstract_model, count_params, in_memory, init_state, optimizer_shardings,
+                            param_shardings, shardings_by_path, state_shardings, with_shardings)
 from meshes.pipeline_split import StagePlan
 from meshes.rules import RuleSet
 
@@ -54,7 +54,8 @@ class StagedState:
         names, shapes = self.layout.stage_names, self.layout.stage_shapes
         self.shardings = {"step": replicated,
                           "params": shardings_by_path(params, names, shapes, mesh, rules.params),
-                          "opt_state": shardings_by_path(opt_state, names, shapes, mesh, rules.optimizer_table)}
+                          "opt_state": in_memory(shardings_by_path(opt_state, names, shapes, mesh,
+                                                                   rules.optimizer_table), rules.optimizer_memory)}
         self.abstract = with_shardings({"step": step, "params": params, "opt_state": opt_state}, self.shardings)
 
         on_pipeline = lambda table: {**table, "layers": ("pipeline",)}

@@ -138,12 +138,20 @@ def make_train_step(graphdef, tx, schedule, *, mesh, rules: RuleSet, state_shard
     if gradients is None:
         gradients = AccumulatedGradients(graphdef, microbatches=microbatches, loss_chunk=loss_chunk, z_loss=z_loss)
 
+    # Optimizer state kept in host memory (rules `+opt_host`) comes to the device for the update;
+    # out_shardings write the new state back (XLA moves each leaf as its update needs it).
+    on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), state_shardings["opt_state"])
+    to_device = lambda opt: jax.tree.map(jax.device_put, opt, on_device)
+    if rules.optimizer_memory == "device":
+        to_device = lambda opt: opt
+
     def step(state, batch):
         with use_rules(mesh, rules), use_context_parallel(context_parallel):
             params = state["params"]
+            old_opt_state = to_device(state["opt_state"])
             total_tokens = jnp.maximum(batch["loss_mask"].sum(), 1.0)
             grads, sums, aux = gradients(params, batch, total_tokens)
-            updates, opt_state = tx.update(grads, state["opt_state"], params)
+            updates, opt_state = tx.update(grads, old_opt_state, params)
             new_params = optax.apply_updates(params, updates)
             if _find_stats(aux) is not None:  # MoE: post-step correction-bias updates
                 model = nnx.merge(graphdef, new_params)
@@ -173,7 +181,7 @@ def make_train_step(graphdef, tx, schedule, *, mesh, rules: RuleSet, state_shard
             **gradients.metrics(aux),
         }
         new_state = {"step": state["step"] + 1, "params": keep_if_finite(new_params, params),
-                     "opt_state": keep_if_finite(opt_state, state["opt_state"])}
+                     "opt_state": keep_if_finite(opt_state, old_opt_state)}
         return new_state, metrics
 
     replicated = NamedSharding(mesh, PartitionSpec())

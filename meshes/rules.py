@@ -32,6 +32,9 @@ class RuleSet:
     params: Table
     activations: Table
     optimizer: Table | None = None  # None: optimizer state follows params
+    # Where the optimizer state lives between steps: "device", or "pinned_host" (overlay
+    # `+opt_host`): the step brings it to the device for the update and writes it back.
+    optimizer_memory: str = "device"
 
     @property
     def optimizer_table(self) -> Table:
@@ -113,6 +116,8 @@ def _expert_tensor_parallel(table: Table) -> Table:
 
 
 OVERLAYS = {"experts_folded": _fold_experts, "expert_tp": _expert_tensor_parallel}
+# Overlays of the whole rule set rather than of a table.
+SET_OVERLAYS = {"opt_host": lambda rules: dataclasses.replace(rules, optimizer_memory="pinned_host")}
 
 
 def get_rule_set(name: str) -> RuleSet:
@@ -121,12 +126,16 @@ def get_rule_set(name: str) -> RuleSet:
         raise ValueError(f"unknown rule table {base!r}; choose one of {sorted(RULE_SETS)}")
     rules = RULE_SETS[base]
     for overlay in overlays:
+        if overlay in SET_OVERLAYS:
+            rules = SET_OVERLAYS[overlay](rules)
+            continue
         if overlay not in OVERLAYS:
-            raise ValueError(f"unknown rule overlay {overlay!r} in {name!r}; choose from {sorted(OVERLAYS)}")
+            raise ValueError(f"unknown rule overlay {overlay!r} in {name!r}; choose from "
+                             f"{sorted(OVERLAYS) + sorted(SET_OVERLAYS)}")
         change = OVERLAYS[overlay]
         optimizer = None if rules.optimizer is None else change(rules.optimizer)
-        rules = RuleSet(name, change(rules.params), rules.activations, optimizer)
-    return rules
+        rules = dataclasses.replace(rules, params=change(rules.params), optimizer=optimizer)
+    return dataclasses.replace(rules, name=name)
 
 
 # ---- the active (mesh, rules) while a model is traced -------------------------------------

@@ -17,6 +17,9 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_saveable,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # as dots_no_batch, but the saved matmul outputs wait for the backward pass in host memory
+    # (activation offload: device memory of recomputation, without its FLOPs)
+    "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
 
 
