@@ -98,6 +98,7 @@ class Peers:
         self._reported = False
         self._exit_code = None
         self._aborting = threading.Lock()
+        self._state_lock = threading.RLock()
         self._stop = threading.Event()
         self._thread = None
         self._checks = 0
@@ -131,6 +132,10 @@ class Peers:
 
     def _observe(self, entries: dict[str, str], now: float) -> str | None:
         """Takes in one reading of the directory; returns the line to exit with, or None."""
+        with self._state_lock:  # the watcher thread and the main thread (_blame_peers) both read
+            return self._judge(entries, now)
+
+    def _judge(self, entries: dict[str, str], now: float) -> str | None:
         for key, value in entries.items():
             kind, _, j = key.partition("/")
             if not j.isdigit():
@@ -165,10 +170,14 @@ class Peers:
 
     # -- the watcher thread ---------------------------------------------------------------------
     def _watch(self) -> None:
-        beats, unreachable_since = 0, None
+        beats, unreachable_since, last_poll = 0, None, time.monotonic()
         while not self._stop.wait(self.period):
             beats += 1
             now = time.monotonic()
+            if now - last_poll > 3 * self.period:  # this process was not running (suspended, starved):
+                with self._state_lock:  # its peers' silence over the gap was not observed
+                    self._beats = {j: (c, max(t, now - self.period)) for j, (c, t) in self._beats.items()}
+            last_poll = now
             try:
                 self._set(f"beat/{self.index}", str(beats))
                 entries = self._read()
@@ -271,8 +280,9 @@ class Peers:
             except Exception:
                 return
             now = time.monotonic()
-            waiting = [j for j, (_, changed) in self._beats.items()
-                       if j not in self._gone and now - changed < self.dead_after]
+            with self._state_lock:
+                waiting = [j for j, (_, changed) in self._beats.items()
+                           if j not in self._gone and now - changed < self.dead_after]
             if not waiting:
                 return
             time.sleep(min(0.1, self.period))
@@ -313,8 +323,9 @@ class Peers:
                 line = self._observe(self._read(), time.monotonic())
             except Exception:  # the coordinator is gone: the watcher says so
                 line = None
-            if line is None and self._gone:
-                j = min(self._gone)
+            gone = sorted(self._gone)
+            if line is None and gone:
+                j = gone[0]
                 line = (f"process {self.index}: {self.name(j)} left the run while this process still "
                         f"needed it ({text})")
             if line is not None:
