@@ -181,6 +181,8 @@ def test_shard_map_carries_type_check():
 
     from pallas_kernels import flash_attention_xla
 
+    if len(jax.devices()) < 4:  # the GPU check runs this file natively on one GPU
+        pytest.skip("needs 4 devices (the suite has 16 simulated CPU devices)")
     mesh = jax.make_mesh((2, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:4])
     b, l, h, d = 1, 16, 2, 8
     q = jnp.ones((b, l, h, d))
