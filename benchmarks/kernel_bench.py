@@ -381,6 +381,7 @@ def main():
         roof.bandwidth, roof.matmul = 4.8e12, 989e12
         write_json({"kind": "roofline", "bandwidth": roof.bandwidth, "matmul_flops": roof.matmul, "measured": False})
     failed = []
+    write_json({"kind": "plan", "sections": args.sections.split(","), "smoke": SMOKE, "quick": args.quick})
     for name in args.sections.split(","):
         if time.time() - start > args.budget_s:
             print(f"== {name}: skipped (time budget)")
