@@ -76,7 +76,8 @@ def _gin_parser(text_or_file):
 
 
 def _gin_statements(path: str, seen: set):
-    """The statements of a gin file, its includes expanded in place (relative to the file too)."""
+    """The statements of a gin file, its includes expanded in place (found as given, next to the
+    including file, or under the repo root: gin's search path for the bundled configs)."""
     import gin.config_parser as parser
 
     real = os.path.realpath(path)
@@ -86,10 +87,9 @@ def _gin_statements(path: str, seen: set):
     with open(path) as f:
         for statement in _gin_parser(f):
             if isinstance(statement, parser.IncludeStatement):
-                included = statement.filename
-                if not os.path.exists(included):
-                    included = os.path.join(os.path.dirname(path), statement.filename)
-                yield from _gin_statements(included, seen)
+                candidates = [statement.filename, os.path.join(os.path.dirname(path), statement.filename),
+                              os.path.join(os.path.dirname(os.path.dirname(DEFAULT_GIN)), statement.filename)]
+                yield from _gin_statements(next((c for c in candidates if os.path.exists(c)), candidates[0]), seen)
             else:
                 yield statement
 
