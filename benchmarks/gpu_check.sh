@@ -16,7 +16,8 @@
 # Time budget on the GPU (seconds, the limit of each stage; all of them end by 575 s):
 #   environment 30 | kernel tests 120 | kernel benchmarks 150 | dense train step 80 |
 #   MoE train step 90 | long context 60 | summary 15                      = 545 s
-# A stage gets at most what is left before the deadline, keeping the summary's share.
+# A stage gets at most what is left before the deadline, keeping the summary's share, so a stage
+# that overruns (up to 10 s between its signal and KILL) is paid for by the later ones.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -71,7 +72,7 @@ printf '{"mode": "%s", "started": "%s", "deadline_s": %d, "stages": ["%s"]}\n' "
 echo "gpu_check ($MODE): results in $RESULTS"
 
 status=0
-# stage NAME SIGNAL TAIL_LINES CMD...: runs CMD under its time limit (SIGNAL first, KILL 15 s
+# stage NAME SIGNAL TAIL_LINES CMD...: runs CMD under its time limit (SIGNAL first, KILL 10 s
 # later), its output in NAME.log, the last TAIL_LINES lines shown, one line in stages.jsonl.
 stage() {
   local name=$1 sig=$2 lines=$3; shift 3
@@ -88,7 +89,7 @@ stage() {
     rc=125
   else
     t0=$(date +%s)
-    timeout -s "$sig" -k 15 "$limit" "$@" > "$RESULTS/$name.log" 2>&1
+    timeout -s "$sig" -k 10 "$limit" "$@" > "$RESULTS/$name.log" 2>&1
     rc=$?
     grep -v '^W[0-9]\{4\} ' "$RESULTS/$name.log" | tail -n "$lines"
     now=$(date +%s)
