@@ -54,7 +54,8 @@ class TrainLoop:
                   f"{self.tr.rules.name}, steps {self.step}->{self.end}", flush=True)
             if self.tr.pipeline_summary:
                 print(f"jaxtrain: {self.tr.pipeline_summary}", flush=True)
-        signals = StopSignals(self.peers).install()
+        # last_step: a request made while a process passes the run's last step is answered there
+        signals = StopSignals(self.peers, last_step=self.end).install()
         self.profiler = StepProfiler(self.tr.workdir, t.profile_steps)
         self.watchdog = Watchdog(factor=t.hang_factor, min_seconds=t.hang_min_s, peers=self.peers).start()
         try:

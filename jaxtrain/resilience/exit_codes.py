@@ -5,6 +5,7 @@ NON_FINITE = 3  # loss or gradients not finite under the `halt` policy (or too m
 CHECKPOINT = 4  # a checkpoint could not be saved or no intact checkpoint could be restored
 PEER = 5  # another process is missing, died, or reported a failure
 HANG = 6  # a step took far longer than usual (every thread's stack is in the log)
+INTERRUPTED = 130  # a second SIGINT: out at once, without saving (the shell's 128 + SIGINT)
 
 
 class RunStopped(Exception):

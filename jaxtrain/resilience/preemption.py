@@ -74,9 +74,9 @@ class StopSignals:
         elif signum == signal.SIGINT:
             message = f"process {self.index}: second SIGINT: exiting at once, without saving"
             if self._multi:
-                self.peers.abort(128 + signal.SIGINT, message)
+                self.peers.abort(exit_codes.INTERRUPTED, message)
             write_line(f"error: {message}")
-            os._exit(128 + signal.SIGINT)
+            os._exit(exit_codes.INTERRUPTED)
 
     def should_stop(self, step: int) -> bool:
         if not self._multi:
