@@ -176,5 +176,15 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def constrain_param(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Sharding constraint on a weight by logical names (the parameter table), e.g. on one layer
+    sliced out of a stack at run time; a no-op outside `use_rules`."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(names, x.shape, rules.params, mesh)))
+
+
 def named_sharding(mesh, names: Sequence[str | None], shape: Sequence[int], table: Table) -> NamedSharding:
     return NamedSharding(mesh, spec_for(names, shape, table, mesh))

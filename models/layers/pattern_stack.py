@@ -1,12 +1,15 @@
 """Layers of several kinds in a fixed per-layer order: a hybrid model's block pattern.
 
 All layers of one kind are one `LayerStack` (stacked on a leading `layers` axis, so the
-parameter tree is `<kind>/layers/...` whatever the pattern), and the pattern is applied layer by
-layer, each layer sliced statically out of its kind's stack. That loop is unrolled: compile
-time grows with depth (the scan of a homogeneous stack does not). Acceptable at tens of layers;
-scanning runs of a repeating period is the next step if it is not.
+parameter tree is `<kind>/layers/...` whatever the pattern). The pattern runs as one `lax.scan`
+over its layers: each step slices its layer of every kind out of the stacks (a dynamic index:
+one layer of each kind copied per step) and `lax.switch`es on the step's kind, so XLA compiles
+one layer of each kind whatever the depth, and the stack's remat policy bounds what the backward
+pass keeps. Under autodiff a switch keeps the residuals of every branch (zeros for the kinds
+that did not run): with remat `full` that is only the layer's input per layer; with `none` or
+`dots` each layer keeps what every kind would save.
 
-Bookkeeping is explicit so pipeline stages can later take contiguous pieces of the pattern:
+Bookkeeping is explicit so pipeline stages can take contiguous pieces of the pattern:
 `slots[j] = (kind, index of layer j within its kind)`.
 """
 from __future__ import annotations
@@ -16,11 +19,14 @@ from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from meshes.rules import constrain_param
+from models.layers.params import LOGICAL_AXES
 from models.layers.stack import REMAT_POLICIES, LayerStack
 
-_RESERVED = frozenset({"pattern", "kinds", "slots"})
+_RESERVED = frozenset({"pattern", "kinds", "slots", "remat"})
 
 
 def pattern_slots(pattern: Sequence[str]) -> tuple[tuple[str, int], ...]:
@@ -31,6 +37,31 @@ def pattern_slots(pattern: Sequence[str]) -> tuple[tuple[str, int], ...]:
         slots.append((kind, seen[kind]))
         seen[kind] += 1
     return tuple(slots)
+
+
+def read_indices(slots: Sequence[tuple[str, int]], kinds: Sequence[str]) -> np.ndarray:
+    """[layers, kinds]: which layer of each kind step j slices. Its own kind's layer; for the
+    other kinds the latest one before it (any valid index would do: that slice is unused, and
+    its gradient is zero)."""
+    latest = {kind: 0 for kind in kinds}
+    rows = []
+    for kind, index in slots:
+        latest[kind] = index
+        rows.append([latest[k] for k in kinds])
+    return np.asarray(rows, np.int32)
+
+
+def layer_of(stack_state, index):
+    """Layer `index` (traced) of a stacked layer state, each weight kept in its parameter
+    sharding. Unconstrained, XLA gathered FSDP-sharded weights outside the switch instead of
+    inside the branch that uses them (the Nemotron-3-Nano step: ~500 GiB of all-gathers per
+    device before the loop, and the MoE layer's experts at every layer, Mamba's too)."""
+    def one(variable):
+        names = variable.get_metadata().get(LOGICAL_AXES)
+        w = jax.lax.dynamic_index_in_dim(variable.get_value(), index, keepdims=False)
+        return variable.replace(value=constrain_param(w, names[1:]) if names is not None else w)
+
+    return jax.tree.map(one, stack_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
 class PatternStack(nnx.Module):
@@ -52,6 +83,7 @@ class PatternStack(nnx.Module):
         self.pattern = pattern
         self.kinds = tuple(dict.fromkeys(pattern))  # in order of first appearance
         self.slots = pattern_slots(pattern)
+        self.remat = remat
         counts = Counter(pattern)
         for kind in self.kinds:
             setattr(self, kind, LayerStack(makers[kind], counts[kind], rngs=rngs, remat=remat))
@@ -60,24 +92,39 @@ class PatternStack(nnx.Module):
         return getattr(self, kind)
 
     def __call__(self, x, positions, segment_ids):
-        per_kind: dict[str, list] = {kind: [] for kind in self.kinds}
-        for kind, index in self.slots:
-            x, aux = _apply_layer(self.stack(kind), index, x, positions, segment_ids)
-            per_kind[kind].append(aux)
-        return x, {kind: jax.tree.map(lambda *a: jnp.stack(a), *auxes) for kind, auxes in per_kind.items()}
+        split = [nnx.split(self.stack(kind).layers) for kind in self.kinds]
+        graphdefs, stacks = [g for g, _ in split], tuple(s for _, s in split)
+        args = (positions, segment_ids)
+
+        def run(k, carry, weights):
+            return nnx.merge(graphdefs[k], weights)(carry, *args)
+
+        one_layer = lambda stack: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stack)
+        aux_shapes = [jax.eval_shape(lambda c, w, k=k: run(k, c, w)[1], x, one_layer(s)) for k, s in enumerate(stacks)]
+
+        def branch(k):
+            # Every branch returns every kind's aux (zeros for the kinds it is not), as a switch must.
+            def apply(carry, weights):
+                y, aux = run(k, carry, weights[k])
+                zeros = [jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape) for shape in aux_shapes]
+                return y, tuple(aux if j == k else zeros[j] for j in range(len(stacks)))
+            return apply
+
+        branches = [branch(k) for k in range(len(stacks))]
+
+        def step(carry, inputs):
+            kind, read = inputs
+            weights = tuple(layer_of(s, read[k]) for k, s in enumerate(stacks))
+            return jax.lax.switch(kind, branches, carry, weights)
+
+        if self.remat != "none":
+            step = jax.checkpoint(step, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        kind_ids = np.asarray([self.kinds.index(kind) for kind, _ in self.slots], np.int32)
+        x, per_layer = jax.lax.scan(step, x, (kind_ids, read_indices(self.slots, self.kinds)))
+        # Each kind's aux: its own layers' rows, in pattern order.
+        rows = {kind: np.flatnonzero(kind_ids == k) for k, kind in enumerate(self.kinds)}
+        return x, {kind: jax.tree.map(lambda a: a[rows[kind]], per_layer[k]) for k, kind in enumerate(self.kinds)}
 
     def update_router_biases(self, aux) -> None:
         for kind in self.kinds:
             self.stack(kind).update_router_biases(aux.get(kind, {}))
-
-
-def _apply_layer(stack: LayerStack, index: int, x, *args):
-    """Layer `index` of a stacked LayerStack, with the stack's remat policy."""
-    graphdef, state = nnx.split(stack.layers)
-
-    def one_layer(carry, layer_state):
-        return nnx.merge(graphdef, layer_state)(carry, *args)
-
-    if stack.remat != "none":
-        one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[stack.remat])
-    return one_layer(x, jax.tree.map(lambda a: a[index], state))
