@@ -46,7 +46,6 @@ def check_layout(exp: Experiment, mesh) -> None:
     except ValueError as e:
         raise ValueError(f"TrainConfig.seq_len={t.seq_len}: {e}") from None
     exp.model.validate(sizes)
-    check_vocabulary(exp)
     attention = getattr(exp.model, "attention", None)
     if attention is not None and hasattr(attention, "check_backend"):
         attention.check_backend(mesh.devices.flat[0].platform)
@@ -81,6 +80,7 @@ class Trainer:
         self.exp, self.workdir, self.config_text = exp, os.path.abspath(workdir), config_text
         self.stopped_by = None
         t = exp.train
+        check_vocabulary(exp)  # the Trainer feeds corpus tokens (the bench feeds ids below the vocabulary)
         self.mesh = build_mesh(exp.mesh, devices)
         self.rules = get_rule_set(t.rules)
         check_layout(exp, self.mesh)
