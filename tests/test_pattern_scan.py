@@ -59,9 +59,10 @@ def gradients(model, mesh_cfg, devices, params):
     return jax.device_get(jax.jit(run)(jax.device_put(params, shardings["params"]), batch))
 
 
+# The two layouts; remat "full" (the checkpointed scan step) is covered on the mesh, so
+# one device runs without remat (~40 s of the suite saved by not also running it with "full").
 CASES = {  # name: (mesh, devices used, remat)
     "one_device_remat_none": (MeshConfig(data=1), 1, "none"),
-    "one_device_remat_full": (MeshConfig(data=1), 1, "full"),
     "data4_tensor2_remat_full": (MeshConfig(data=4, tensor=2), 8, "full"),
 }
 
