@@ -9,7 +9,6 @@ finite (a sync the save needs anyway).
 """
 from __future__ import annotations
 
-import math
 import time
 
 import jax
@@ -19,7 +18,7 @@ from jaxtrain.metrics import MetricsWriter, device_memory
 from jaxtrain.profiling import StepProfiler
 from jaxtrain.resilience import exit_codes
 from jaxtrain.resilience.exit_codes import RunStopped
-from jaxtrain.resilience.nonfinite import HALT, ROLLBACK, SKIP, NonFiniteTracker
+from jaxtrain.resilience.nonfinite import HALT, ROLLBACK, NonFiniteTracker
 from jaxtrain.resilience.preemption import StopSignals
 from jaxtrain.resilience.watchdog import Watchdog
 from meshes.mesh import describe

@@ -26,7 +26,7 @@ from jaxtrain.resilience.peers import Peers
 from jaxtrain.tokenizer import load_tokenizer
 from jaxtrain.train_setup import build_train_setup
 from jaxtrain.workdir import WorkdirLock, check_same_model
-from meshes.mesh import build_mesh, describe
+from meshes.mesh import build_mesh
 from meshes.rules import DATA_PARALLEL_AXES, get_rule_set
 
 

@@ -56,3 +56,16 @@ def losses(workdir) -> dict[int, float]:
 def steps_on_disk(workdir) -> list[int]:
     d = pathlib.Path(workdir) / "checkpoints"
     return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+
+
+EVERY_3 = ["TrainConfig.checkpoint_every=3", "TrainConfig.keep_checkpoints=5"]
+
+
+def uninterrupted(workdir) -> dict[int, float]:
+    """The reference of the recovery tests: 9 steps straight, checkpoints at 3, 6 and 9; its losses."""
+    proc = train(workdir, "TrainConfig.steps=9", *EVERY_3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert steps_on_disk(workdir) == [3, 6, 9]
+    ref = losses(workdir)
+    assert sorted(ref) == list(range(1, 10)) and all(v == v and abs(v) < float("inf") for v in ref.values())
+    return ref

@@ -6,11 +6,11 @@ poisoned batch; no checkpoint of a non-finite state is ever written or rotates a
 import numpy as np
 import pytest
 
-from cli_runs import losses, rows, steps_on_disk, train
+from cli_runs import EVERY_3, losses, rows, steps_on_disk, train
 from jaxtrain.resilience import exit_codes
 
 POISONED = 4  # batch 4 (0-based) is step 5's
-EVERY = ["TrainConfig.checkpoint_every=3", "TrainConfig.keep_checkpoints=5"]
+EVERY = EVERY_3
 
 
 def poisoned_run(workdir, *bindings):

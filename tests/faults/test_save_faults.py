@@ -9,20 +9,14 @@ import subprocess
 import numpy as np
 import pytest
 
-from cli_runs import losses, rows, steps_on_disk, train
+from cli_runs import EVERY_3 as EVERY
+from cli_runs import losses, rows, steps_on_disk, train, uninterrupted
 from jaxtrain.resilience import exit_codes
-
-EVERY = ["TrainConfig.checkpoint_every=3", "TrainConfig.keep_checkpoints=5"]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("reference") / "run"
-    proc = train(workdir, "TrainConfig.steps=9", *EVERY)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ref = losses(workdir)
-    assert sorted(ref) == list(range(1, 10)) and np.isfinite(list(ref.values())).all()
-    return ref
+    return uninterrupted(tmp_path_factory.mktemp("reference") / "run")
 
 
 @pytest.mark.parametrize("point, survivor", [("before", 3), ("during", 3), ("after", 6)])
