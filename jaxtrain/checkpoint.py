@@ -40,7 +40,7 @@ from jaxtrain.fingerprint import tree_fingerprints
 STATE_ITEMS = ("params", "opt_state")
 ALL_ITEMS = STATE_ITEMS + ("data",)
 MANIFEST_KEY = "jaxtrain"
-CONVERTED = "converted"  # the manifest's `kind` for parameters-only checkpoints from jaxtrain.convert
+CONVERTED = "converted"  # manifest `kind` of a parameters-only checkpoint (jaxtrain.convert, a params-only save)
 
 
 class CheckpointError(Exception):
@@ -140,6 +140,8 @@ class Checkpointer:
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
             manifest["items"].append("data")
             manifest["data_state"] = data_iterator.get_state()
+        elif set(saved) == {"params"}:  # parameters only, on purpose (an import, a model to fine-tune)
+            manifest["kind"] = CONVERTED
         try:
             self.manager.save(step, args=ocp.args.Composite(**items), force=True,
                               custom_metadata={MANIFEST_KEY: manifest})

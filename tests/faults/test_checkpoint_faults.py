@@ -147,3 +147,29 @@ def test_second_trainer_on_the_same_workdir_is_refused(tmp_path):
     proc = train(workdir, "TrainConfig.steps=2", "TrainConfig.checkpoint_every=0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in rows(workdir)] == [1, 2]
+
+
+def test_a_parameters_only_save_restores_without_optimizer_or_data(tmp_path):
+    """A params-only checkpoint (an imported model to fine-tune) is marked so: restoring it with a
+    data iterator and optimizer state wanted is not the missing-item error."""
+    import jax
+
+    from helpers import TINY_LLAMA_BYTES, TINY_OPT
+    from jaxtrain.checkpoint import Checkpointer
+    from jaxtrain.data import DataConfig, make_train_iterator
+    from jaxtrain.optim import make_optimizer
+    from jaxtrain.state import init_state, state_shardings
+    from meshes.mesh import MeshConfig, build_mesh
+    from meshes.rules import get_rule_set
+
+    tx, _ = make_optimizer(TINY_OPT, 3)
+    _, abstract, shardings = state_shardings(TINY_LLAMA_BYTES, tx, build_mesh(MeshConfig(data=16)), get_rule_set("dp"))
+    state = init_state(TINY_LLAMA_BYTES, tx, shardings, seed=0)
+    checkpointer = Checkpointer(str(tmp_path / "checkpoints"), async_save=False)
+    checkpointer.save(0, {"params": state["params"]})
+    iterator = make_train_iterator(DataConfig(), seq_len=32, global_batch=16, seed=0)
+    step, restored, manifest = checkpointer.restore_latest(abstract, iterator)
+    checkpointer.close()
+    assert step == 0 and set(restored) == {"params"} and manifest["kind"] == "converted"
+    np.testing.assert_array_equal(jax.device_get(restored["params"]["embed"]["table"]),
+                                  jax.device_get(state["params"]["embed"]["table"]))
