@@ -13,7 +13,7 @@ parameters-only checkpoint at step 0 (so no run compiles the initializers):
       losses for steps 11-13.
 The 1-device Trainer serves (b) and then (c) (one compile): its workdir receives the step-10
 checkpoint after (b), and a Trainer resumes from a workdir's latest checkpoint. The Nemotron
-case is opt-in (JAXTRAIN_SLOW_TESTS=1, see SLOW): it alone would take ~7 min.
+case is opt-in (JAXTRAIN_SLOW_TESTS=1, see SLOW): it alone takes ~6 min.
 """
 from __future__ import annotations
 
@@ -44,12 +44,13 @@ STEPS, SAVE_AT, RESUMED = 20, 10, 3
 # no tie that close in the compared steps of either model (their losses agree to <= 1e-6
 # relative); another seed, or other data, may need checking again.
 SEED = 0
-# Nemotron's 52-layer pattern is unrolled (models/layers/pattern_stack.py), each Mamba layer alone
-# costing ~3.5 s of XLA:CPU compile: its three programs (reference layout, one device, data=16)
-# take ~5 min to compile and the module ~7 min in all, beyond the suite's budget. Opt in with
-# JAXTRAIN_SLOW_TESTS=1.
+# Nemotron's case costs ~6 min (measured 2026-12-01 after the unpipelined stack became a scan):
+# the one-device and data=16 programs scan the 52-layer pattern, but the pipelined reference
+# program still applies each stage's slots run by run (a scan per run of one kind,
+# models/stage_program.py; Nemotron's kinds alternate, so nearly layer by layer), ~4.4 min of
+# compile alone; beyond the suite's budget. Opt in with JAXTRAIN_SLOW_TESTS=1.
 SLOW = pytest.mark.skipif(not os.environ.get("JAXTRAIN_SLOW_TESTS"),
-                          reason="~7 min (52 unrolled layers compiled three times): set JAXTRAIN_SLOW_TESTS=1")
+                          reason="~6 min (the pipelined 52-layer program): set JAXTRAIN_SLOW_TESTS=1")
 CONFIGS = [
     "deepseek_v2_lite_reference_layout",
     pytest.param("nemotron3_nano_reference_layout", marks=SLOW),
