@@ -10,7 +10,7 @@ ARGS ?=
 # Whole modules go to one worker (loadscope) so module fixtures (reference runs) are built once.
 TEST_WORKERS ?= 2
 
-.PHONY: train test test-reference venv clean
+.PHONY: train test test-fast test-reference venv clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ train: $(VENV)/.stamp
 
 test: $(VENV)/.stamp
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope -m "not reference_layout" $(ARGS)
+
+# The quick unit-level modules (tests/conftest.py FAST_MODULES), for the edit-test loop: < 3 min.
+test-fast: $(VENV)/.stamp
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope -m "fast" $(ARGS)
 
 # The 16-device reference layout end to end (27- and 52-layer models, 20 steps, resumes): ~20 min
 # on two cores, so it is its own target; CI runs it after the suite.

@@ -17,3 +17,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 jax.config.update("jax_threefry_partitionable", True)
+
+# `make test-fast` (pytest -m fast): the modules that check one piece on tiny inputs — meshes,
+# rules, data, HF mappings, kernels against their references, layers, the resilience parts —
+# for the edit-test loop (under 3 minutes); `make test` runs everything.
+FAST_MODULES = {
+    "test_mesh", "test_data", "test_hf_config", "test_hf_mapping", "test_hf_errors", "test_hlo_stats",
+    "test_pipeline_split", "test_ports", "test_resilience_parts", "test_mla", "test_latent_attention",
+    "test_expert_exchange", "test_packing_attention", "test_moe", "test_mamba2", "test_bench_collectives",
+    "test_kernels_causal_conv1d", "test_kernels_moe_routing", "test_kernels_grouped_matmul",
+    "test_kernels_ssd_scan", "test_kernels_flash_attention", "test_kernels_flash_attention_pallas",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in FAST_MODULES:
+            item.add_marker(pytest.mark.fast)
