@@ -10,6 +10,18 @@ _INSTRUCTION = re.compile(r"=\s*(?P<shape>\(?[^=]*?\)?)\s+(?P<op>" + "|".join(CO
 _ARRAY = re.compile(r"(?P<dtype>[a-z0-9]+)\[(?P<dims>[0-9,]*)\]")
 
 
+_COMMENT = re.compile(r"/\*.*?\*/")  # XLA annotates long tuples with /*index=5*/: not an `=` of the line
+
+
+def _collective(line: str):
+    """(op, output bytes) of a collective's start (not its -done), or None."""
+    line = _COMMENT.sub("", line)
+    m = _INSTRUCTION.search(line)
+    if m is None or "-done" in line.split("=")[1][:40]:
+        return None
+    return m.group("op"), _shape_bytes(m.group("shape"))
+
+
 def _shape_bytes(shape: str) -> int:
     total = 0
     for m in _ARRAY.finditer(shape):
@@ -24,10 +36,10 @@ def collective_stats(hlo_text: str) -> dict[str, dict[str, int]]:
     """{op: {"count": n, "bytes": output bytes}} over the module's instructions."""
     stats = {op: {"count": 0, "bytes": 0} for op in COLLECTIVES}
     for line in hlo_text.splitlines():
-        m = _INSTRUCTION.search(line)
-        if m and "-done" not in line.split("=")[1][:40]:
-            stats[m.group("op")]["count"] += 1
-            stats[m.group("op")]["bytes"] += _shape_bytes(m.group("shape"))
+        found = _collective(line)
+        if found:
+            stats[found[0]]["count"] += 1
+            stats[found[0]]["bytes"] += found[1]
     return stats
 
 
@@ -41,7 +53,9 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
 def executed_collective_stats(hlo_text: str) -> dict[str, dict[str, int]]:
     """Like `collective_stats`, but every instruction counted as often as it runs: a collective
     in a loop body (a layer scan, the context ring) counts once per trip, nested loops multiply.
-    Loops without a known trip count count once; both branches of a conditional count."""
+    Loops without a known trip count count once; every branch of a conditional counts each time
+    it could run (which runs is decided at run time): a `lax.switch` over layer kinds inside a
+    layer scan (models/layers/pattern_stack.py) is overcounted by about the number of kinds."""
     bodies: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -82,8 +96,8 @@ def executed_collective_stats(hlo_text: str) -> dict[str, dict[str, int]]:
     stats = {op: {"count": 0, "bytes": 0} for op in COLLECTIVES}
     for name, lines in bodies.items():
         for line in lines:
-            m = _INSTRUCTION.search(line)
-            if m and "-done" not in line.split("=")[1][:40]:
-                stats[m.group("op")]["count"] += times.get(name, 0)
-                stats[m.group("op")]["bytes"] += times.get(name, 0) * _shape_bytes(m.group("shape"))
+            found = _collective(line)
+            if found:
+                stats[found[0]]["count"] += times.get(name, 0)
+                stats[found[0]]["bytes"] += times.get(name, 0) * found[1]
     return stats

@@ -23,3 +23,14 @@ def test_nested_loops_multiply_collective_counts_and_bytes():
     block = 2 * 16 * 4  # one device's [2, 16] float32 shard
     assert once == {"count": 1, "bytes": block}
     assert executed == {"count": 15, "bytes": 15 * block}  # 5 outer x 3 inner trips
+
+
+def test_tuple_collectives_with_index_comments_count_all_their_bytes():
+    """XLA writes long tuple shapes with /*index=N*/ comments; a combined all-reduce of 6 arrays
+    counts every array's bytes."""
+    shapes = ", ".join(["f32[4,8]"] * 5 + ["/*index=5*/f32[4,8]"])
+    line = f"  %all-reduce.1 = ({shapes}) all-reduce(%a, %b, %c, %d, %e, %f), replica_groups={{}}, to_apply=%add"
+    hlo = "ENTRY %main (p: f32[4,8]) -> f32[4,8] {\n" + line + "\n}\n"
+    expected = {"count": 1, "bytes": 6 * 4 * 8 * 4}
+    assert collective_stats(hlo)["all-reduce"] == expected
+    assert executed_collective_stats(hlo)["all-reduce"] == expected
