@@ -35,7 +35,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxtrain.fingerprint import tree_fingerprints
+from jaxtrain.fingerprint import leaf_path, tree_fingerprints
 
 STATE_ITEMS = ("params", "opt_state")
 ALL_ITEMS = STATE_ITEMS + ("data",)
@@ -118,7 +118,6 @@ class Checkpointer:
 
     def saved_shapes(self, step: int, item: str = "params") -> dict[str, tuple]:
         """{leaf path: shape} of an item as saved (read from its metadata, no arrays)."""
-        from jaxtrain.fingerprint import leaf_path
         with _quiet_absl():
             meta = ocp.StandardCheckpointer().metadata(os.path.join(self.directory, str(step), item))
         tree = getattr(meta, "item_metadata", meta)
@@ -142,30 +141,31 @@ class Checkpointer:
             manifest["data_state"] = data_iterator.get_state()
         elif set(saved) == {"params"}:  # parameters only, on purpose (an import, a model to fine-tune)
             manifest["kind"] = CONVERTED
-        try:
+        self._saving = step
+        with self._naming_failures():
             self.manager.save(step, args=ocp.args.Composite(**items), force=True,
                               custom_metadata={MANIFEST_KEY: manifest})
-        except Exception as e:
-            raise CheckpointSaveError(f"saving step {step} to {self.directory} failed: {_save_failure(e)}") from e
-        self._saving = step
 
     def check(self) -> None:
         """Raises CheckpointSaveError if a save in flight has failed (cheap: no waiting)."""
-        try:
+        with self._naming_failures():
             self.manager.check_for_errors()
-        except Exception as e:
-            raise CheckpointSaveError(f"saving step {self._saving} to {self.directory} failed: "
-                                      f"{_save_failure(e)}") from e
 
     def wait(self) -> None:
         """Blocks until the save in flight is committed; raises CheckpointSaveError if it failed."""
-        try:
+        with self._naming_failures():
             self.manager.wait_until_finished()
+            self.manager.check_for_errors()
+        self._saving = None
+
+    @contextlib.contextmanager
+    def _naming_failures(self):
+        """Any Orbax error inside becomes one CheckpointSaveError naming the step being saved."""
+        try:
+            yield
         except Exception as e:
             raise CheckpointSaveError(f"saving step {self._saving} to {self.directory} failed: "
                                       f"{_save_failure(e)}") from e
-        self.check()
-        self._saving = None
 
     def close(self) -> None:
         """Waits for the save in flight and closes; after a failed save it only raises (closing

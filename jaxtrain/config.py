@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import gin
@@ -131,11 +132,7 @@ def parse_gin(files, bindings) -> None:
     gin.parse_config_files_and_bindings(list(files), list(bindings), finalize_config=False)
 
 
-_SEARCH_PATH_ADDED = []
-
-
+@functools.cache
 def add_config_search_path() -> None:
-    """Bundled configs `include 'configs/x.gin'`: resolve that from any working directory."""
-    if not _SEARCH_PATH_ADDED:
-        gin.add_config_file_search_path(str(REPO_ROOT))
-        _SEARCH_PATH_ADDED.append(True)
+    """Bundled configs `include 'configs/x.gin'`: resolve that from any working directory (once)."""
+    gin.add_config_file_search_path(str(REPO_ROOT))

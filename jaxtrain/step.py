@@ -140,10 +140,11 @@ def make_train_step(graphdef, tx, schedule, *, mesh, rules: RuleSet, state_shard
 
     # Optimizer state kept in host memory (rules `+opt_host`) comes to the device for the update;
     # out_shardings write the new state back (XLA moves each leaf as its update needs it).
-    on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), state_shardings["opt_state"])
-    to_device = lambda opt: jax.tree.map(jax.device_put, opt, on_device)
     if rules.optimizer_memory == "device":
         to_device = lambda opt: opt
+    else:
+        on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), state_shardings["opt_state"])
+        to_device = lambda opt: jax.tree.map(jax.device_put, opt, on_device)
 
     def step(state, batch):
         with use_rules(mesh, rules), use_context_parallel(context_parallel):

@@ -97,11 +97,11 @@ class TrainLoop:
             pending = (self.step, metrics, position)
             self.checkpointer.check()
             stop = signals.should_stop(self.step)
-            checkpoint_due = t_every(self.t.checkpoint_every, self.step) and self.step != self.end
+            checkpoint_due = _every(self.t.checkpoint_every, self.step) and self.step != self.end
             if checkpoint_due or stop:  # a save must know its step was finite
                 self._settle(*pending)
                 pending = None
-            if self.t.eval_every and self.step % self.t.eval_every == 0 and self.step != self.end:
+            if _every(self.t.eval_every, self.step) and self.step != self.end:
                 with self.watchdog.pause():
                     self.writer.write(self.step, self.tr.evaluate(self.state["params"]), kind="eval")
             if checkpoint_due or stop:
@@ -178,7 +178,8 @@ class TrainLoop:
     # -- saving ------------------------------------------------------------------------------
     def _save(self, wait: bool) -> None:
         with self.watchdog.pause():
-            extra = {"data_position": self.position, "skipped_batches": sorted(self.skipped), "finite": True}
+            # (every saved state is finite: the step never applies a non-finite update)
+            extra = {"data_position": self.position, "skipped_batches": sorted(self.skipped)}
             self.checkpointer.save(self.step, self.tr.state_layout.to_disk(self.state), self.tr.train_iter,
                                    extra=extra)
             self.saved_step = self.step
@@ -206,5 +207,6 @@ class TrainLoop:
         self.history.append({"step": step, **values})
 
 
-def t_every(every: int, step: int) -> bool:
+def _every(every: int, step: int) -> bool:
+    """Step `step` ends an interval of `every` steps (0: never)."""
     return bool(every) and step % every == 0

@@ -215,6 +215,11 @@ class Peers:
         if not self._reported:
             self.close()
             return
+        self._leave_failed(self._exit_code if self._exit_code is not None else 1)
+
+    def _leave_failed(self, code: int) -> None:
+        """Marks this process gone after a failure and exits; process 0 (the coordinator's host)
+        waits, bounded, for the others first."""
         self._stop.set()
         try:
             self._set(f"gone/{self.index}", "failed")
@@ -222,7 +227,7 @@ class Peers:
             pass
         if self.index == 0:
             self._wait_for_others_to_leave()
-        flush_and_exit(self._exit_code if self._exit_code is not None else 1)
+        flush_and_exit(code)
 
     # -- failures -------------------------------------------------------------------------------
     def report_failure(self, message: str, exit_code: int | None = None) -> None:
@@ -264,13 +269,7 @@ class Peers:
         self._stop.set()
         if tell_peers:
             self._publish_failure(message)
-        try:
-            self._set(f"gone/{self.index}", "failed")
-        except Exception:
-            pass
-        if self.index == 0:
-            self._wait_for_others_to_leave()
-        flush_and_exit(code)
+        self._leave_failed(code)
 
     def _wait_for_others_to_leave(self) -> None:
         deadline = time.monotonic() + self.dead_after + 2 * self.period
