@@ -1,7 +1,8 @@
 """`python -m jaxtrain.bench step --gin_file=F [--layout data=8,tensor=2,rules=fsdp ...] [--compile_only]`
 `python -m jaxtrain.bench collectives --mesh data=4,tensor=4 [...]`: see jaxtrain/bench_collectives.py.
 
-For each layout (default: the config's own), compiles the train step on abstract arrays and
+Each --layout is a ParallelPlan spec string (jaxtrain/parallel_plan.py) applied over the
+config's own plan, plus `attention=` for the model. For each layout (default: the config's own), compiles the train step on abstract arrays and
 prints XLA's per-device memory (arguments, outputs, temporaries) and collective counts; unless
 --compile_only, also runs it and prints step time, tokens/s and MFU. A layout may also set the
 pipeline: `pipeline=4,schedule=interleaved2,microbatches=8,split=7/7/7/6` (the pipeline
@@ -18,74 +19,42 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import time
 
 from jaxtrain import bench_collectives
-from jaxtrain.launch import add_common_flags, fail, start
-
-_DEVICE_FLAG = "--xla_force_host_platform_device_count"
-
+from jaxtrain.launch import add_common_flags, fail, simulate_cpu_devices, start
+from meshes.mesh_config import spec_axis_sizes
 
 ATTENTION_KEYS = ("materialized", "blockwise", "pallas", "pallas_interpret", "auto")
-KV_KEYS = ("ring", "allgather")
-ORDER_KEYS = ("balanced", "contiguous")
 
 
-def parse_layout(spec: str) -> tuple[dict, str | None, dict]:
-    """(mesh axis sizes, rule table or None, other settings: microbatches, schedule, split,
-    attention, kv, order)."""
-    mesh, rules, other = {}, None, {}
+def split_spec(spec: str) -> tuple[str, str | None]:
+    """(the ParallelPlan part of a --layout spec, the attention implementation it names or None):
+    attention is a model setting the bench lets a layout change too."""
+    plan_parts, attention = [], None
     for part in filter(None, spec.split(",")):
         key, _, value = part.partition("=")
-        if key == "rules":
-            rules = value
-        elif (key, value) in [("attention", v) for v in ATTENTION_KEYS] + [("kv", v) for v in KV_KEYS] + \
-                [("order", v) for v in ORDER_KEYS]:
-            other[key] = value
-        elif key in ("pipeline", "data", "context", "expert", "tensor", "microbatches"):
-            (mesh if key != "microbatches" else other)[key] = int(value)
-        elif key == "schedule" and (value == "gpipe" or value.startswith("interleaved")):
-            other[key] = value
-        elif key == "split":
-            other[key] = tuple(int(n) for n in value.split("/"))
+        if key == "attention":
+            if value not in ATTENTION_KEYS:
+                raise ValueError(f"layout {spec!r}: attention={value!r}: choose one of {'|'.join(ATTENTION_KEYS)}")
+            attention = value
         else:
-            raise ValueError(f"layout {spec!r}: unknown key or value {part!r} (mesh axes, rules, microbatches, "
-                             f"schedule=gpipe|interleavedV, split=a/b/..., attention={'|'.join(ATTENTION_KEYS)}, "
-                             f"kv={'|'.join(KV_KEYS)}, order={'|'.join(ORDER_KEYS)})")
-    return mesh, rules, other
+            plan_parts.append(part)
+    return ",".join(plan_parts), attention
 
 
-def apply_layout(base, mesh_sizes: dict, rules: str | None, other: dict):
-    """The experiment `base` with a layout's mesh, rules, microbatches and pipeline settings."""
+def apply_layout(base, spec: str):
+    """(experiment, ParallelPlan): `base` with a --layout spec applied over its own plan."""
     import dataclasses
 
-    from jaxtrain.pipeline_config import PipelineConfig
-    from meshes.context_layout import AllGatherKV, Contiguous, LoadBalanced, RingKV
-    from meshes.pipeline_schedules import GPipe, Interleaved
+    from jaxtrain.parallel_plan import ParallelPlan
 
-    full = {a: 1 for a in ("pipeline", "data", "context", "expert", "tensor")} if mesh_sizes else {}
-    train = dataclasses.replace(base.train, rules=rules or base.train.rules,
-                                microbatches=other.get("microbatches", base.train.microbatches))
-    pipeline = base.pipeline or PipelineConfig()
-    if "schedule" in other:
-        v = other["schedule"][len("interleaved"):]
-        pipeline = dataclasses.replace(pipeline, schedule=GPipe() if other["schedule"] == "gpipe" else
-                                       Interleaved(int(v) if v else 2))
-    if "split" in other:
-        pipeline = dataclasses.replace(pipeline, stages_layers=other["split"])
-    model = base.model
-    if "attention" in other:
-        model = dataclasses.replace(model, attention=_attention(other["attention"]))
-    cp = train.context_parallel
-    if "kv" in other:
-        cp = dataclasses.replace(cp, kv_exchange=RingKV() if other["kv"] == "ring" else AllGatherKV())
-    if "order" in other:
-        cp = dataclasses.replace(cp, layout=LoadBalanced() if other["order"] == "balanced" else Contiguous())
-    return dataclasses.replace(base, model=model, mesh=dataclasses.replace(base.mesh, **{**full, **mesh_sizes}),
-                               train=dataclasses.replace(train, context_parallel=cp), pipeline=pipeline)
+    plan_spec, attention = split_spec(spec)
+    exp = base if attention is None else dataclasses.replace(
+        base, model=dataclasses.replace(base.model, attention=_attention(attention)))
+    return exp, ParallelPlan.from_experiment(base).with_spec(plan_spec)
 
 
 def _attention(name: str):
@@ -95,29 +64,18 @@ def _attention(name: str):
             "auto": impl.AutoAttention()}[name]
 
 
-def bench_layout(exp, *, steps: int, compile_only: bool) -> dict:
+def bench_layout(exp, plan, *, steps: int, compile_only: bool) -> dict:
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
-    from jaxtrain.flops import peak_flops
+    from jaxtrain.flops import model_flops_utilization, peak_flops
     from jaxtrain.hlo_stats import collective_stats, executed_collective_stats
-    from jaxtrain.optim import make_optimizer
     from jaxtrain.train_setup import build_train_setup
-    from jaxtrain.trainer import check_layout
-    from meshes.mesh import build_mesh
-    from meshes.rules import get_rule_set
 
     t = exp.train
-    mesh = build_mesh(exp.mesh)
-    check_layout(exp, mesh)
-    rules = get_rule_set(t.rules)
-    tx, schedule = make_optimizer(exp.optimizer, t.steps)
-    setup = build_train_setup(exp.model, t, tx, schedule, mesh, rules, exp.pipeline)
-    abstract, bsh, step = setup.state.abstract, setup.batch_sharding, setup.train_step
-    dtypes = {"loss_mask": jnp.float32}
-    abstract_batch = {k: jax.ShapeDtypeStruct((t.global_batch, t.seq_len), dtypes.get(k, jnp.int32), sharding=s)
-                      for k, s in bsh.items()}
+    setup = build_train_setup(exp.model, plan, t, exp.optimizer)
+    abstract, step = setup.state.abstract, setup.train_step
+    abstract_batch = setup.abstract_batch(t.global_batch, t.seq_len)
     t0 = time.perf_counter()
     compiled = step.lower(abstract, abstract_batch).compile()
     out = {"compile_s": time.perf_counter() - t0}
@@ -139,7 +97,7 @@ def bench_layout(exp, *, steps: int, compile_only: bool) -> dict:
             "positions": np.broadcast_to(np.arange(t.seq_len, dtype=np.int32), (t.global_batch, t.seq_len)),
             "loss_mask": np.ones((t.global_batch, t.seq_len), np.float32)}
     host["targets"] = np.roll(host["inputs"], -1, axis=1)
-    batch = {k: jax.device_put(v, bsh[k]) for k, v in host.items()}
+    batch = setup.device_batch(host)
     times = []
     for i in range(steps + 2):  # two warm-up steps
         t1 = time.perf_counter()
@@ -151,7 +109,7 @@ def bench_layout(exp, *, steps: int, compile_only: bool) -> dict:
     tps = t.global_batch * t.seq_len / step_time
     peak = peak_flops(jax.devices()[0].device_kind, t.peak_flops_per_device)
     out.update(step_time_s=step_time, tokens_per_sec=tps,
-               mfu=exp.model.flops_per_token(t.seq_len) * tps / (peak * mesh.size) if peak else None)
+               mfu=model_flops_utilization(exp.model.flops_per_token(t.seq_len), tps, peak, setup.mesh.size))
     return out
 
 
@@ -171,14 +129,14 @@ def format_row(name: str, r: dict) -> str:
                                  if coll_text else "")
 
 
-def json_record(spec: str, exp, r: dict | None, error: str | None = None) -> dict:
+def json_record(spec: str, exp, plan, r: dict | None, error: str | None = None) -> dict:
     """One layout's result for --json: the figures without the per-op collective tables."""
     import jax
 
     model, t = exp.model, exp.train
     record = {"layout": spec, "model": type(model).__name__, "dtype": getattr(model, "dtype", None),
               "remat": getattr(model, "remat", None), "global_batch": t.global_batch, "seq_len": t.seq_len,
-              "microbatches": t.microbatches, "device_kind": jax.devices()[0].device_kind,
+              "microbatches": plan.microbatches if plan else t.microbatches, "device_kind": jax.devices()[0].device_kind,
               "devices": jax.device_count(), "flops_per_token": model.flops_per_token(t.seq_len)}
     for name, kwargs in (("params", {}), ("active_params", {"active_only": True})):
         try:
@@ -205,13 +163,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.what == "collectives":
         return _collectives(args)
-    try:
-        layouts = [(spec, *parse_layout(spec)) for spec in args.layout]
+    sizes = [spec_axis_sizes(spec) for spec in args.layout]
+    if any(sizes):
+        simulate_cpu_devices(max(math.prod(s.values()) for s in sizes if s))
+    from jaxtrain.parallel_plan import ParallelPlan  # imports jax, but starts no backend
+
+    try:  # every spec readable before anything starts
+        for spec in args.layout:
+            ParallelPlan().with_spec(split_spec(spec)[0])
     except ValueError as e:
         fail(str(e))
-    if layouts and _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
-        needed = max(math.prod(m.values()) for _, m, _, _ in layouts)
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}={needed}".strip()
     start(args)
 
     import jax
@@ -231,23 +192,23 @@ def main(argv=None) -> int:
                 f.write(json.dumps(json_record(*a, **kw)) + "\n")
 
     crashed = False
-    for spec, mesh_sizes, rules, other in layouts or [("config", {}, None, {})]:
-        exp = base
+    for spec in args.layout or [""]:
+        name, exp, plan = spec or "config", base, None
         try:
-            exp = apply_layout(base, mesh_sizes, rules, other)
-            result = bench_layout(exp, steps=args.steps, compile_only=args.compile_only)
-            print(format_row(spec, result), flush=True)
-            record(spec, exp, result)
+            exp, plan = apply_layout(base, spec)
+            result = bench_layout(exp, plan, steps=args.steps, compile_only=args.compile_only)
+            print(format_row(name, result), flush=True)
+            record(name, exp, plan, result)
         except ValueError as e:
-            print(f"{spec:<34} | error: {e}", flush=True)
-            record(spec, exp, None, error=str(e))
+            print(f"{name:<34} | error: {e}", flush=True)
+            record(name, exp, plan, None, error=str(e))
         except Exception as e:  # e.g. out of memory: the next layout still runs, the exit code says it
             if not args.json:
                 raise
             import traceback
             traceback.print_exc()
-            print(f"{spec:<34} | failed: {type(e).__name__}", flush=True)
-            record(spec, exp, None, error=f"{type(e).__name__}: {str(e)[:500]}")
+            print(f"{name:<34} | failed: {type(e).__name__}", flush=True)
+            record(name, exp, plan, None, error=f"{type(e).__name__}: {str(e)[:500]}")
             crashed = True
     return 1 if crashed else 0
 
@@ -257,10 +218,7 @@ def _collectives(args) -> int:
         mesh_sizes, _, _ = bench_collectives.check_args(args)
     except ValueError as e:
         fail(str(e))
-    needed = math.prod(mesh_sizes.values()) if mesh_sizes else 0
-    if needed > 1 and _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
-        per_process = max(needed // max(args.num_processes or 1, 1), 1)
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}={per_process}".strip()
+    simulate_cpu_devices(math.prod(mesh_sizes.values()) if mesh_sizes else 0, args.num_processes or 1)
     start(args)
     return bench_collectives.main(args, fail)
 

@@ -11,6 +11,7 @@ from jaxtrain.config_types import check_config_types
 from jaxtrain.data import REPO_ROOT, DataConfig
 from jaxtrain.mesh_configurable import GinMeshConfig
 from jaxtrain.optim import OptimizerConfig
+from jaxtrain.parallel_plan import ParallelPlan
 from jaxtrain.pipeline_config import PipelineConfig
 from jaxtrain.resilience.nonfinite import Halt, Rollback, Skip
 from meshes.context_layout import AllGatherKV, ContextParallel, Contiguous, LoadBalanced, RingKV
@@ -42,6 +43,8 @@ class TrainConfig:
     steps: int = 100
     global_batch: int = 8
     seq_len: int = 128
+    # The layout fields (rules, microbatches, context_parallel) are read through the run's
+    # ParallelPlan (jaxtrain/parallel_plan.py), with MeshConfig and Experiment.pipeline.
     microbatches: int = 1  # gradient accumulation steps per optimizer step
     seed: int = 0
     rules: str = "dp"  # rule table in meshes/rules.py: dp | zero1 | fsdp | dp_sp | fsdp_sp
@@ -90,9 +93,6 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.reset_on_resume may hold 'opt_state' and 'data', got {sorted(unknown)}")
         if not hasattr(self.nonfinite, "decide"):
             raise ValueError(f"TrainConfig.nonfinite must be @Halt(), @Skip() or @Rollback(), got {self.nonfinite!r}")
-        if self.global_batch % self.microbatches:
-            raise ValueError(f"TrainConfig.global_batch={self.global_batch} is not divisible by "
-                             f"microbatches={self.microbatches}")
 
 
 @gin.configurable(module="jaxtrain")
@@ -104,6 +104,9 @@ class Experiment:
     data: DataConfig | None = None
     optimizer: OptimizerConfig | None = None
     pipeline: PipelineConfig | None = None  # used when MeshConfig.pipeline > 1
+    # A ParallelPlan spec string applied over the fields above (jaxtrain/parallel_plan.py), e.g.
+    # "pipeline=2,data=2,context=2,tensor=2,rules=fsdp,split=14/13,microbatches=4".
+    layout: str | None = None
 
 
 def load_experiment() -> Experiment:
@@ -124,6 +127,7 @@ def load_experiment() -> Experiment:
     )
     for part in (exp.model, exp.mesh, exp.train, exp.data, exp.optimizer, exp.pipeline):
         check_config_types(part)
+    ParallelPlan.from_experiment(exp)  # a bad Experiment.layout string is a config error now
     return exp
 
 

@@ -16,23 +16,16 @@ import sys
 from jaxtrain.launch import add_common_flags, fail, start
 
 
-def evaluate_stream(exp, mesh, params, stream, *, seq_len: int, stride: int, batch_size: int, pad_id: int) -> dict:
+def evaluate_stream(setup, params, stream, *, seq_len: int, stride: int, batch_size: int, pad_id: int) -> dict:
+    """Loss and perplexity of a token stream, scored in sliding windows by `setup`'s eval step
+    (a TrainSetup built for batches of `batch_size` windows of `seq_len`)."""
     import jax
 
     from jaxtrain.sliding_window import batch_windows, sliding_windows
-    from jaxtrain.state import abstract_model, param_shardings
-    from jaxtrain.step import batch_shardings, make_eval_step
-    from meshes.rules import get_rule_set
 
-    rules = get_rule_set(exp.train.rules)
-    graphdef, abstract_state = abstract_model(exp.model)
-    bsh = batch_shardings(mesh, rules, batch_size, seq_len)
-    step = make_eval_step(graphdef, mesh=mesh, rules=rules, batch_sharding=bsh, loss_chunk=exp.train.loss_chunk,
-                          params_shardings=param_shardings(abstract_state, mesh, rules.params),
-                          context_parallel=exp.train.context_parallel)
     nll = tokens = 0.0
     for batch in batch_windows(sliding_windows(stream, seq_len, stride, pad_id), batch_size):
-        out = jax.device_get(step(params, {k: jax.device_put(v, bsh[k]) for k, v in batch.items()}))
+        out = jax.device_get(setup.eval_step(params, setup.device_batch(batch)))
         nll, tokens = nll + float(out["nll"]), tokens + float(out["tokens"])
     loss = nll / max(tokens, 1.0)
     return {"loss": loss, "perplexity": math.exp(min(loss, 80.0)), "tokens": int(tokens)}
@@ -56,20 +49,24 @@ def main(argv=None) -> int:
         fail(f"data file not found: {args.data}")
     start(args)
 
+    import dataclasses
+
     from jaxtrain.checkpoint import CheckpointError, Checkpointer
-    from jaxtrain.resilience import exit_codes
     from jaxtrain.config import load_experiment
     from jaxtrain.data import tokenize_text_stream
-    from jaxtrain.optim import make_optimizer
-    from jaxtrain.state import state_shardings
+    from jaxtrain.parallel_plan import ParallelPlan
+    from jaxtrain.resilience import exit_codes
     from jaxtrain.tokenizer import load_tokenizer
-    from meshes.mesh import build_mesh
-    from meshes.rules import get_rule_set
+    from jaxtrain.train_setup import build_train_setup
 
     try:
         exp = load_experiment()
-        mesh = build_mesh(exp.mesh)
-        exp.model.validate(dict(mesh.shape))
+        seq_len = args.seq_len or exp.train.seq_len
+        batch_size = args.batch_size or exp.train.global_batch
+        # The run's own layout, sized for the eval windows (checked here, before any restore).
+        setup = build_train_setup(exp.model, ParallelPlan.from_experiment(exp),
+                                  dataclasses.replace(exp.train, seq_len=seq_len, global_batch=batch_size),
+                                  exp.optimizer)
         checkpointer = Checkpointer(os.path.join(args.workdir, "checkpoints"))
         step = checkpointer.latest_step()
         if step is None:
@@ -78,21 +75,15 @@ def main(argv=None) -> int:
         stream = tokenize_text_stream(args.data, tokenizer)
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
-    tx, _ = make_optimizer(exp.optimizer, exp.train.steps)
-    _, abstract, _ = state_shardings(exp.model, tx, mesh, get_rule_set(exp.train.rules))
     try:  # the newest intact step (a corrupt newer one is reported and skipped, not moved)
-        step, restored, _ = checkpointer.restore_latest({"params": abstract["params"]}, quarantine=False)
+        step, restored, _ = checkpointer.restore_latest({"params": setup.state.disk_abstract["params"]},
+                                                        quarantine=False)
     except CheckpointError as e:
         fail(str(e), code=exit_codes.CHECKPOINT)
-    params = restored["params"]
+    params = setup.state.from_disk({"params": restored["params"]})["params"]
     checkpointer.close()
-    seq_len = args.seq_len or exp.train.seq_len
-    try:
-        exp.train.context_parallel.validate(seq_len, mesh.shape["context"])
-    except ValueError as e:
-        fail(f"--seq_len={seq_len}: {e}")
-    result = evaluate_stream(exp, mesh, params, stream, seq_len=seq_len, stride=args.stride or max(seq_len // 2, 1),
-                             batch_size=args.batch_size or exp.train.global_batch, pad_id=tokenizer.pad_id)
+    result = evaluate_stream(setup, params, stream, seq_len=seq_len, stride=args.stride or max(seq_len // 2, 1),
+                             batch_size=batch_size, pad_id=tokenizer.pad_id)
     print(json.dumps({"checkpoint_step": step, "data": args.data, **result}), flush=True)
     return 0
 

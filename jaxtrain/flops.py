@@ -24,3 +24,9 @@ def peak_flops(device_kind: str, override: float | None = None) -> float | None:
         return float(override)
     matches = [k for k in PEAK_BF16_FLOPS if k.lower() in device_kind.lower()]
     return PEAK_BF16_FLOPS[max(matches, key=len)] if matches else None
+
+
+def model_flops_utilization(flops_per_token: float, tokens_per_sec: float, peak: float | None,
+                            devices: int) -> float | None:
+    """Achieved model FLOP/s over the devices' peak; None when the peak is unknown."""
+    return flops_per_token * tokens_per_sec / (peak * devices) if peak else None

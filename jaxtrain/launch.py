@@ -7,6 +7,7 @@ gin before jax starts), or every started one exits with exit_codes.PEER and one 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import socket
@@ -40,10 +41,11 @@ def _launched_processes(args) -> int:
 
 
 def simulate_devices_if_needed(gin_files, gin_params, num_processes: int) -> None:
-    """Reads only the MeshConfig bindings (no jax yet) and, if the mesh asks for more than one
+    """Reads only the MeshConfig and Experiment.layout bindings (no jax yet) and, if the mesh asks for more than one
     device, lets the CPU backend offer that many per process. GPU/TPU backends ignore it."""
     import gin
     from jaxtrain.mesh_configurable import GinMeshConfig
+    from meshes.mesh_config import spec_axis_sizes
 
     for path in gin_files:
         if not os.path.exists(path):
@@ -52,10 +54,19 @@ def simulate_devices_if_needed(gin_files, gin_params, num_processes: int) -> Non
         gin.add_config_file_search_path(os.path.dirname(os.path.dirname(DEFAULT_GIN)))  # bundled includes
         gin.parse_config_files_and_bindings(gin_files, gin_params, skip_unknown=True, finalize_config=False)
         needed = GinMeshConfig().fixed_device_count()
+        layout = gin_binding(gin_files, gin_params, "Experiment", "layout", None)
+        if isinstance(layout, str) and spec_axis_sizes(layout):  # the plan's spec string overrides
+            needed = math.prod(spec_axis_sizes(layout).values())
     except Exception:  # the strict parse after jax starts reports config errors clearly
         needed = 1
     finally:
         gin.clear_config()
+    simulate_cpu_devices(needed, num_processes)
+
+
+def simulate_cpu_devices(needed: int, num_processes: int = 1) -> None:
+    """Lets the CPU backend offer `needed / num_processes` devices per process (before jax
+    starts; an explicit XLA_FLAGS setting wins). GPU/TPU backends ignore it."""
     flags = os.environ.get("XLA_FLAGS", "")
     if needed > 1 and _DEVICE_FLAG not in flags:
         per_process = max(needed // max(num_processes, 1), 1)

@@ -14,6 +14,7 @@ import time
 import jax
 
 from jaxtrain.checkpoint import CheckpointSaveError
+from jaxtrain.flops import model_flops_utilization
 from jaxtrain.metrics import MetricsWriter, device_memory
 from jaxtrain.profiling import StepProfiler
 from jaxtrain.resilience import exit_codes
@@ -200,9 +201,8 @@ class TrainLoop:
         """One metrics row per step; the time is measured between successive fetches, so the
         first step's row includes compilation."""
         tps = self.tokens_per_step / max(elapsed, 1e-9)
-        peak, devices = self.tr.peak, self.tr.mesh.size
-        values.update(step_time=elapsed, tokens_per_sec=tps,
-                      mfu=(self.tr.flops_per_token * tps / (peak * devices)) if peak else None, **device_memory())
+        values.update(step_time=elapsed, tokens_per_sec=tps, **device_memory(),
+                      mfu=model_flops_utilization(self.tr.flops_per_token, tps, self.tr.peak, self.tr.mesh.size))
         self.writer.write(step, values, echo=step % self.t.log_every == 0 or step == 1)
         self.history.append({"step": step, **values})
 

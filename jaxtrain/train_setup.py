@@ -1,21 +1,37 @@
-"""Everything a training run compiles, for any layout: state layout, gradient strategy, steps.
+"""The one assembly function: (model config, ParallelPlan, TrainConfig, OptimizerConfig) ->
+everything a run compiles, for any layout — mesh, rules, optimizer, state layout, gradient
+strategy, batch shardings, train and eval steps.
 
-Shared by the Trainer, the bench and the tests so that a pipelined and an unpipelined run
-differ only in the two strategies chosen here.
+The Trainer, the bench, the eval CLI, the Python API (jaxtrain/api.py) and the tests all call
+`build_train_setup`, so a pipelined and an unpipelined run differ only in the two strategies
+chosen here (state layout and gradients).
 """
 from __future__ import annotations
 
 import dataclasses
 
-from jaxtrain.pipeline_config import PipelineConfig
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtrain.optim import OptimizerConfig, make_optimizer
+from jaxtrain.parallel_plan import ParallelPlan
 from jaxtrain.pipeline_step import PipelinedGradients
 from jaxtrain.state_layouts import CanonicalState, StagedState
-from jaxtrain.step import AccumulatedGradients, batch_shardings, make_eval_step, make_train_step
+from jaxtrain.step import BATCH_KEYS, AccumulatedGradients, batch_shardings, make_eval_step, make_train_step
+from meshes.mesh import build_mesh
 from meshes.rules import RuleSet
+
+BATCH_DTYPES = {k: jnp.float32 if k == "loss_mask" else jnp.int32 for k in BATCH_KEYS}
 
 
 @dataclasses.dataclass
 class TrainSetup:
+    plan: ParallelPlan
+    mesh: object
+    rules: RuleSet
+    tx: object
+    lr_schedule: object
     state: CanonicalState | StagedState
     gradients: AccumulatedGradients | PipelinedGradients
     batch_sharding: dict
@@ -23,33 +39,47 @@ class TrainSetup:
     eval_step: object
     summary: str = ""  # the pipeline layout in a line, for the log (empty without one)
 
+    def abstract_batch(self, global_batch: int, seq_len: int) -> dict:
+        """ShapeDtypeStructs of a global batch with its shardings (for compile-only sizing)."""
+        return {k: jax.ShapeDtypeStruct((global_batch, seq_len), BATCH_DTYPES[k], sharding=s)
+                for k, s in self.batch_sharding.items()}
 
-def build_train_setup(model_cfg, train, tx, lr_schedule, mesh, rules: RuleSet,
-                      pipeline: PipelineConfig | None = None) -> TrainSetup:
-    """`train`: a TrainConfig (batch, microbatches, loss); `pipeline` applies when the mesh has
-    pipeline > 1 (defaults: GPipe, balanced split)."""
+    def device_batch(self, host: dict) -> dict:
+        """A whole global batch held by this process (numpy arrays) -> sharded device arrays."""
+        return {k: jax.device_put(np.asarray(host[k], BATCH_DTYPES[k]), self.batch_sharding[k])
+                for k in self.batch_sharding}
+
+
+def build_train_setup(model_cfg, plan: ParallelPlan, train, optimizer: OptimizerConfig,
+                      devices=None) -> TrainSetup:
+    """Validates the plan against the model and batch (before anything is compiled), then
+    builds the run's parts. `train`: a TrainConfig (steps, batch, sequence, loss settings)."""
+    mesh = build_mesh(plan.mesh, devices)
+    plan.validate(model_cfg, global_batch=train.global_batch, seq_len=train.seq_len, mesh_shape=dict(mesh.shape),
+                  platform=mesh.devices.flat[0].platform)
+    rules = plan.rule_set()
+    tx, lr_schedule = make_optimizer(optimizer, train.steps)
     stages = mesh.shape["pipeline"]
-    kw = dict(microbatches=train.microbatches, loss_chunk=train.loss_chunk, z_loss=train.z_loss)
+    kw = dict(microbatches=plan.microbatches, loss_chunk=train.loss_chunk, z_loss=train.z_loss)
     if stages > 1:
-        pipeline = pipeline or PipelineConfig()
-        pipeline.validate(stages, train.microbatches)
+        pipeline = plan.pipeline
         state = StagedState(model_cfg, tx, mesh, rules, pipeline.plan(model_cfg, stages))
         gradients = PipelinedGradients(state.graphdef, state.layout, pipeline.schedule, remat=pipeline.remat, **kw)
-        plan = state.layout.plan
-        padding = {"/".join(k[1:]): p for k, p in plan.padding().items() if any(p)}
-        summary = (f"pipeline {type(pipeline.schedule).__name__}, {stages} stages x {plan.repeats} passes, "
-                   f"{train.microbatches} microbatches (bubble {gradients.bubble:.3f}), layers per chunk "
-                   f"{plan.counts}, padded slots per stage {padding or 'none'}")
+        stage_plan = state.layout.plan
+        padding = {"/".join(k[1:]): p for k, p in stage_plan.padding().items() if any(p)}
+        summary = (f"pipeline {type(pipeline.schedule).__name__}, {stages} stages x {stage_plan.repeats} passes, "
+                   f"{plan.microbatches} microbatches (bubble {gradients.bubble:.3f}), layers per chunk "
+                   f"{stage_plan.counts}, padded slots per stage {padding or 'none'}")
     else:
         state = CanonicalState(model_cfg, tx, mesh, rules)
         gradients = AccumulatedGradients(state.graphdef, **kw)
         summary = ""
     bsh = batch_shardings(mesh, rules, train.global_batch, train.seq_len)
-    cp = train.context_parallel
+    cp = plan.context_parallel
     train_step = make_train_step(state.graphdef, tx, lr_schedule, mesh=mesh, rules=rules,
                                  state_shardings=state.shardings, batch_sharding=bsh, gradients=gradients,
                                  context_parallel=cp)
     eval_step = make_eval_step(state.graphdef, mesh=mesh, rules=rules, params_shardings=state.shardings["params"],
                                batch_sharding=bsh, loss_chunk=train.loss_chunk, forward=gradients.sums,
                                context_parallel=cp)
-    return TrainSetup(state, gradients, bsh, train_step, eval_step, summary)
+    return TrainSetup(plan, mesh, rules, tx, lr_schedule, state, gradients, bsh, train_step, eval_step, summary)

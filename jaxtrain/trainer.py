@@ -1,7 +1,8 @@
 """The training loop: mesh, sharded state, data, jitted step, metrics, eval and checkpoints.
 
 Everything that can be checked without compiling (mesh vs devices, model vs mesh, batch vs
-data-parallel size, data files) is checked in the constructor, before the workdir is touched.
+data-parallel size, data files) is checked in the constructor, before the workdir is touched:
+the run's parts come from the one assembly function (jaxtrain/train_setup.py).
 """
 from __future__ import annotations
 
@@ -19,38 +20,13 @@ from jaxtrain.config_types import check_config_types
 from jaxtrain.data import make_eval_batches, make_train_iterator
 from jaxtrain.fingerprint import leaf_path
 from jaxtrain.flops import peak_flops
-from jaxtrain.optim import make_optimizer
+from jaxtrain.parallel_plan import ParallelPlan
 from jaxtrain.resilience import exit_codes
 from jaxtrain.resilience.exit_codes import RunStopped
 from jaxtrain.resilience.peers import Peers
 from jaxtrain.tokenizer import load_tokenizer
 from jaxtrain.train_setup import build_train_setup
 from jaxtrain.workdir import WorkdirLock, check_same_model
-from meshes.mesh import build_mesh
-from meshes.rules import DATA_PARALLEL_AXES, get_rule_set
-
-
-def check_layout(exp: Experiment, mesh) -> None:
-    sizes = dict(mesh.shape)
-    t = exp.train
-    data_parallel = math.prod(sizes[a] for a in DATA_PARALLEL_AXES)
-    per_microbatch = t.global_batch // t.microbatches
-    if per_microbatch % data_parallel:
-        raise ValueError(f"global_batch={t.global_batch} / microbatches={t.microbatches} = {per_microbatch} "
-                         f"rows per microbatch is not divisible by the data-parallel size {data_parallel} "
-                         f"(data x expert = {' x '.join(str(sizes[a]) for a in DATA_PARALLEL_AXES)})")
-    if t.seq_len % sizes["context"]:
-        raise ValueError(f"seq_len={t.seq_len} is not divisible by the context axis size {sizes['context']}")
-    try:
-        t.context_parallel.validate(t.seq_len, sizes["context"])
-    except ValueError as e:
-        raise ValueError(f"TrainConfig.seq_len={t.seq_len}: {e}") from None
-    exp.model.validate(sizes)
-    attention = getattr(exp.model, "attention", None)
-    if attention is not None and hasattr(attention, "check_backend"):
-        attention.check_backend(mesh.devices.flat[0].platform)
-    # The pipeline (schedule vs microbatches, the layer split) is checked by build_train_setup,
-    # which every caller runs next, still before anything is compiled or written.
 
 
 def check_vocabulary(exp: Experiment) -> None:
@@ -81,11 +57,9 @@ class Trainer:
         self.stopped_by = None
         t = exp.train
         check_vocabulary(exp)  # the Trainer feeds corpus tokens (the bench feeds ids below the vocabulary)
-        self.mesh = build_mesh(exp.mesh, devices)
-        self.rules = get_rule_set(t.rules)
-        check_layout(exp, self.mesh)
-        self.tx, self.schedule = make_optimizer(exp.optimizer, t.steps)
-        setup = build_train_setup(exp.model, t, self.tx, self.schedule, self.mesh, self.rules, exp.pipeline)
+        self.plan = ParallelPlan.from_experiment(exp)
+        setup = build_train_setup(exp.model, self.plan, t, exp.optimizer, devices)
+        self.setup, self.mesh, self.rules, self.tx = setup, setup.mesh, setup.rules, setup.tx
         # Rows this process feeds: processes that differ only along axes the batch is replicated
         # over (pipeline stages on different hosts) read the same rows.
         shard, shards = process_batch_shard(setup.batch_sharding["inputs"], (t.global_batch, t.seq_len),

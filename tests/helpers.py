@@ -8,11 +8,10 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.config import TrainConfig
-from jaxtrain.optim import OptimizerConfig, make_optimizer
-from jaxtrain.state import init_state, state_shardings
-from jaxtrain.step import batch_shardings, make_train_step
-from meshes.mesh import MeshConfig, build_mesh
-from meshes.rules import get_rule_set
+from jaxtrain.optim import OptimizerConfig
+from jaxtrain.parallel_plan import ParallelPlan
+from jaxtrain.train_setup import build_train_setup
+from meshes.mesh import MeshConfig
 from models.llama import LlamaConfig
 
 TINY_LLAMA = LlamaConfig(vocab_size=96, embed=32, layers=2, heads=4, kv_heads=4, mlp=64)
@@ -50,17 +49,12 @@ def train_losses(mesh_cfg: MeshConfig, *, model=TINY_LLAMA, train=TINY_TRAIN, op
     gives step i's host batch (default: random_packed_batch seeded 100 + i); `jaxprs`, a list,
     receives the train step's jaxpr (traced on the first batch). The losses and parameters must
     be finite (two NaN runs compare equal) unless `allow_nonfinite`."""
-    devices = devices if devices is not None else jax.devices()
-    mesh = build_mesh(mesh_cfg, devices)
-    rule_set = get_rule_set(rules)
-    tx, schedule = make_optimizer(opt, train.steps)
-    graphdef, _, shardings = state_shardings(model, tx, mesh, rule_set)
-    bsh = batch_shardings(mesh, rule_set, train.global_batch, train.seq_len)
-    step_fn = make_train_step(graphdef, tx, schedule, mesh=mesh, rules=rule_set, state_shardings=shardings,
-                              batch_sharding=bsh, microbatches=train.microbatches, loss_chunk=train.loss_chunk,
-                              z_loss=train.z_loss, context_parallel=train.context_parallel)
+    plan = ParallelPlan(mesh=mesh_cfg, rules=rules, microbatches=train.microbatches,
+                        context_parallel=train.context_parallel)
+    setup = build_train_setup(model, plan, train, opt, devices if devices is not None else jax.devices())
+    tx, shardings, step_fn = setup.tx, setup.state.shardings, setup.train_step
     if init_params is None:
-        state = init_state(model, tx, shardings, seed)
+        state = setup.state.init(seed)
     else:
         params = jax.device_put(init_params, shardings["params"])
         state = {"step": jax.device_put(np.int32(0), shardings["step"]), "params": params,
@@ -69,7 +63,7 @@ def train_losses(mesh_cfg: MeshConfig, *, model=TINY_LLAMA, train=TINY_TRAIN, op
     for i in range(steps):
         host = (batch_fn(i) if batch_fn is not None
                 else random_packed_batch(100 + i, train.global_batch, train.seq_len, model.vocab_size))
-        batch = {k: jax.device_put(v, bsh[k]) for k, v in host.items()}
+        batch = setup.device_batch(host)
         if jaxprs is not None and i == 0:
             jaxprs.append(step_fn.trace(state, batch).jaxpr)
         state, metrics = step_fn(state, batch)

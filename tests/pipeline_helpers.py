@@ -9,11 +9,10 @@ import numpy as np
 from flax import nnx
 
 from helpers import TINY_OPT, assert_finite, random_packed_batch
-from jaxtrain.optim import make_optimizer
+from jaxtrain.parallel_plan import ParallelPlan
+from jaxtrain.pipeline_config import PipelineConfig
 from jaxtrain.state import abstract_model, map_with_path
 from jaxtrain.train_setup import build_train_setup
-from meshes.mesh import build_mesh
-from meshes.rules import get_rule_set
 
 # Adam's first steps move every weight by about lr whatever its gradient's size, so a weight
 # whose gradient is ~0 (cancellation) turns last-ulp differences between reduction orders into
@@ -44,10 +43,10 @@ def run_steps(mesh_cfg, model, train, params0, *, pipeline=None, rules="dp", dev
     """`steps` train steps from `params0` on fresh random batches. Returns (losses, canonical
     params on host, last metrics on host, final in-memory state, the TrainSetup). The losses and
     parameters must be finite (two NaN runs compare equal) unless `allow_nonfinite`."""
-    mesh = build_mesh(mesh_cfg, devices if devices is not None else jax.devices())
-    tx, schedule = make_optimizer(PIPELINE_OPT, train.steps)
-    setup = build_train_setup(model, train, tx, schedule, mesh, get_rule_set(rules), pipeline)
-    layout = setup.state
+    plan = ParallelPlan(mesh=mesh_cfg, rules=rules, microbatches=train.microbatches,
+                        pipeline=pipeline or PipelineConfig(), context_parallel=train.context_parallel)
+    setup = build_train_setup(model, plan, train, PIPELINE_OPT, devices if devices is not None else jax.devices())
+    tx, layout = setup.tx, setup.state
     disk = jax.tree.map(lambda a: a.sharding, layout.disk_abstract)
     state = layout.from_disk({"params": jax.device_put(params0, disk["params"])})
     state["opt_state"] = jax.jit(tx.init, out_shardings=layout.shardings["opt_state"])(state["params"])
@@ -55,8 +54,7 @@ def run_steps(mesh_cfg, model, train, params0, *, pipeline=None, rules="dp", dev
     losses = []
     for i in range(steps):
         host = random_packed_batch(100 + i, train.global_batch, train.seq_len, model.vocab_size)
-        batch = {k: jax.device_put(v, setup.batch_sharding[k]) for k, v in host.items()}
-        state, metrics = setup.train_step(state, batch)
+        state, metrics = setup.train_step(state, setup.device_batch(host))
         losses.append(float(metrics["loss"]))
     params = jax.device_get(layout.to_disk({"params": state["params"]})["params"])
     if not allow_nonfinite:

@@ -8,6 +8,7 @@ from jaxtrain.bench import bench_layout
 from jaxtrain.config import Experiment, TrainConfig
 from jaxtrain.data import DataConfig
 from jaxtrain.optim import OptimizerConfig
+from jaxtrain.parallel_plan import ParallelPlan
 from jaxtrain.pipeline_config import PipelineConfig
 from meshes.mesh import MeshConfig
 from models.layers.mamba2 import SSMConfig
@@ -27,7 +28,7 @@ def temp_gib(model, context: int, length: int) -> float:
     exp = Experiment(model=model, mesh=MeshConfig(context=context, data=data),
                      train=TrainConfig(global_batch=data, seq_len=length, loss_chunk=1024),
                      optimizer=OptimizerConfig(), pipeline=PipelineConfig(), data=DataConfig())
-    return bench_layout(exp, steps=0, compile_only=True)["temp_gb"]
+    return bench_layout(exp, ParallelPlan.from_experiment(exp), steps=0, compile_only=True)["temp_gb"]
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -6,10 +6,12 @@ import pytest
 from flax import nnx
 
 from helpers import TINY_LLAMA
-from jaxtrain.config import Experiment, TrainConfig
+from jaxtrain.config import TrainConfig
 from jaxtrain.eval import evaluate_stream
+from jaxtrain.optim import OptimizerConfig
+from jaxtrain.parallel_plan import ParallelPlan
 from jaxtrain.sliding_window import sliding_windows
-from meshes.mesh import MeshConfig, build_mesh
+from jaxtrain.train_setup import build_train_setup
 
 
 @pytest.mark.parametrize("n, seq_len, stride", [(50, 16, 8), (17, 16, 16), (5, 16, 4), (40, 8, 3)])
@@ -31,9 +33,9 @@ def test_sliding_window_loss_equals_per_token_reference():
     stream = np.random.default_rng(5).integers(0, TINY_LLAMA.vocab_size, n).astype(np.int32)
     model = TINY_LLAMA.build(nnx.Rngs(params=jax.random.key(3)))
     params = nnx.to_pure_dict(nnx.state(model))
-    mesh = build_mesh(MeshConfig(data=4, tensor=4))
-    exp = Experiment(model=TINY_LLAMA, train=TrainConfig(rules="dp"))
-    out = evaluate_stream(exp, mesh, params, stream, seq_len=seq_len, stride=stride, batch_size=4, pad_id=0)
+    setup = build_train_setup(TINY_LLAMA, ParallelPlan.parse("data=4,tensor=4,rules=dp"),
+                              TrainConfig(global_batch=4, seq_len=seq_len), OptimizerConfig())
+    out = evaluate_stream(setup, params, stream, seq_len=seq_len, stride=stride, batch_size=4, pad_id=0)
 
     # Reference: for each window start b (stride apart), one plain causal forward pass over
     # stream[b: b + seq_len]; the targets this window is first to reach are scored from it.
