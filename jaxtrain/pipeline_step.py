@@ -5,6 +5,8 @@ same rows, each MoE layer's statistics and aux loss are per microbatch, and the 
 summed over all tokens, so a pipelined step equals an unpipelined one with as many
 microbatches. Parameters arrive in the stage layout (jaxtrain/pipeline_layout.py).
 
+The model's own pieces (CausalLM.embed_inputs, its stacks' layers, CausalLM.head_sums) and the
+one loss formula (step.training_loss), so a pipelined step computes what the model defines:
 embed (replicated over `pipeline`) -> stages (meshes/pipeline.py) -> final norm, head and
 cross-entropy per microbatch, the microbatches split over `pipeline` when it divides them, so
 no pipeline group computes the head for the whole batch.
@@ -16,12 +18,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.pipeline_layout import PipelineLayout
-from jaxtrain.step import _aux_loss, moe_metrics, split_microbatches
+from jaxtrain.step import split_microbatches, training_loss
 from meshes.context_layout import to_device_order
 from meshes.pipeline import run_pipeline
 from meshes.rules import constrain
 from models.causal_lm import RESIDUAL
-from models.loss import chunked_cross_entropy
+from models.layers.aux_outputs import aux_metrics
 from models.stage_program import StageProgram
 
 
@@ -38,7 +40,7 @@ class PipelinedGradients:
         plan = self.layout.plan
         model = nnx.merge(self.graphdef, params)
         mbs = split_microbatches(to_device_order(batch), self.microbatches)
-        x = constrain(model.embed(mbs["inputs"]), (None,) + RESIDUAL)
+        x = constrain(jax.vmap(model.embed_inputs)(mbs["inputs"]), (None,) + RESIDUAL)
         program = StageProgram(model, plan.runs(), plan.repeats, self.remat)
         stage_params = {kind: _subtree(params, kind + ("layers",)) for kind in plan.kinds}
         valid = {kind: jnp.asarray(plan.valid(kind)) for kind in plan.kinds}
@@ -52,8 +54,7 @@ class PipelinedGradients:
             # partitioner, left to choose with the microbatches split over `pipeline`, gets the
             # input gradient wrong for sequence parallel + FSDP over context (jax 0.10.2).
             h = constrain(h, ("batch", "length", "embed"))
-            return jnp.stack(chunked_cross_entropy(model.logits, model.final_norm(h), targets, mask,
-                                                   chunk=self.loss_chunk, z_loss=z_loss))
+            return jnp.stack(model.head_sums(h, targets, mask, chunk=self.loss_chunk, z_loss=z_loss))
 
         spread = "pipeline" if self.microbatches % self.stages == 0 else None
         sums = jax.vmap(head, spmd_axis_name=spread)(final, mbs["targets"], mbs["loss_mask"]).sum(0)
@@ -63,15 +64,15 @@ class PipelinedGradients:
         return self._forward(params, batch, 0.0)[0]
 
     def _loss(self, params, batch, total_tokens):
-        (nll, z, correct), aux = self._forward(params, batch, self.z_loss)
-        return (nll + z) / total_tokens + _aux_loss(aux) / self.microbatches, ((nll, z, correct), aux)
+        sums, aux = self._forward(params, batch, self.z_loss)
+        return training_loss(sums, aux, total_tokens, self.microbatches), (sums, aux)
 
     def __call__(self, params, batch, total_tokens):
         (_, (sums, aux)), grads = jax.value_and_grad(self._loss, has_aux=True)(params, batch, total_tokens)
         return grads, sums, aux
 
     def metrics(self, aux) -> dict:
-        return {**moe_metrics(self.layout.aux_to_canonical(aux), self.microbatches),
+        return {**aux_metrics(self.layout.aux_to_canonical(aux), self.microbatches),
                 "pipeline_bubble": jnp.asarray(self.bubble, jnp.float32)}
 
 

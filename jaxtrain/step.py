@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshes.context_layout import ContextParallel, to_device_order, use_context_parallel
 from meshes.rules import RuleSet, constrain, named_sharding, use_rules
-from models.loss import chunked_cross_entropy
+from models.layers.aux_outputs import aux_metrics, has_after_update, total_aux_loss
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 ROW = ("batch", "length")
@@ -26,55 +26,20 @@ def batch_shardings(mesh, rules: RuleSet, global_batch: int, seq_len: int) -> di
 
 
 def _forward_sums(graphdef, params, batch, *, loss_chunk, z_loss):
-    """Token sums (nll, z-loss, correct) and the model's auxiliary outputs (MoE statistics)."""
+    """Token sums (nll, z-loss, correct) and the model's typed auxiliary outputs (MoE statistics)."""
     model = nnx.merge(graphdef, params)
     batch = to_device_order(batch)  # the context layout's token order; every key moves alike
-    hidden, aux = model.hidden(batch["inputs"], batch["positions"], batch["segment_ids"])
-    nll, z, correct = chunked_cross_entropy(model.logits, hidden, batch["targets"], batch["loss_mask"],
-                                            chunk=loss_chunk, z_loss=z_loss)
-    return (nll, z, correct), aux
+    x, aux = model.run_stacks(model.embed_inputs(batch["inputs"]), batch["positions"], batch["segment_ids"])
+    sums = model.head_sums(x, batch["targets"], batch["loss_mask"], chunk=loss_chunk, z_loss=z_loss)
+    return sums, aux
 
 
-def _aux_loss(aux):
-    """Sum of every `aux_loss` leaf (one per MoE layer)."""
-    total = jnp.zeros((), jnp.float32)
-    for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
-        if getattr(path[-1], "key", None) == "aux_loss":
-            total = total + leaf.sum()
-    return total
-
-
-def moe_metrics(aux, microbatches: int = 1) -> dict:
-    """Per MoE layer: max/mean expert load, router entropy; overall dropped-slot fraction."""
-    out, dropped, slots = {}, 0.0, 0.0
-    for stack, tree in aux.items():
-        stats = _find_stats(tree)
-        if stats is None:
-            continue
-        load = stats["expert_load"]  # [layers, experts]
-        tokens = jnp.maximum(stats["tokens"], 1.0)
-        imbalance = load.max(-1) / jnp.maximum(load.mean(-1), 1e-9)
-        entropy = stats["entropy_sum"] / tokens
-        for i in range(load.shape[0]):
-            out[f"moe/{stack}{i}/load_max_over_mean"] = imbalance[i]
-            out[f"moe/{stack}{i}/router_entropy"] = entropy[i]
-        out[f"moe/{stack}/aux_loss"] = stats["aux_loss"].sum() / microbatches
-        dropped = dropped + stats["dropped"].sum()
-        slots = slots + load.sum()
-    if out:
-        out["moe/dropped_fraction"] = dropped / jnp.maximum(slots, 1.0)
-    return out
-
-
-def _find_stats(tree):
-    if isinstance(tree, dict):
-        if "expert_load" in tree:
-            return tree
-        for sub in tree.values():
-            found = _find_stats(sub)
-            if found is not None:
-                return found
-    return None
+def training_loss(sums, aux, total_tokens, microbatches: int):
+    """The one loss formula: token-summed cross-entropy (+ z-loss) over the whole batch's
+    tokens, plus the layers' aux losses (each a mean over its microbatch's tokens, so averaged
+    over microbatches)."""
+    nll, z, _ = sums
+    return (nll + z) / total_tokens + total_aux_loss(aux) / microbatches
 
 
 def split_microbatches(batch, microbatches: int):
@@ -101,10 +66,8 @@ class AccumulatedGradients:
         return _forward_sums(self.graphdef, params, batch, loss_chunk=self.loss_chunk, z_loss=0.0)[0]
 
     def _loss(self, params, mb, total_tokens):
-        (nll, z, correct), aux = _forward_sums(self.graphdef, params, mb, loss_chunk=self.loss_chunk,
-                                               z_loss=self.z_loss)
-        # MoE aux losses are means over each microbatch's tokens: average them over microbatches.
-        return (nll + z) / total_tokens + _aux_loss(aux) / self.microbatches, ((nll, z, correct), aux)
+        sums, aux = _forward_sums(self.graphdef, params, mb, loss_chunk=self.loss_chunk, z_loss=self.z_loss)
+        return training_loss(sums, aux, total_tokens, self.microbatches), (sums, aux)
 
     def __call__(self, params, batch, total_tokens):
         """(grads, (nll, z, correct) sums, aux laid out like params' stacks)."""
@@ -126,7 +89,7 @@ class AccumulatedGradients:
         return grads, sums, aux
 
     def metrics(self, aux) -> dict:
-        return moe_metrics(aux, self.microbatches)
+        return aux_metrics(aux, self.microbatches)
 
 
 def make_train_step(graphdef, tx, schedule, *, mesh, rules: RuleSet, state_shardings, batch_sharding,
@@ -154,9 +117,11 @@ def make_train_step(graphdef, tx, schedule, *, mesh, rules: RuleSet, state_shard
             grads, sums, aux = gradients(params, batch, total_tokens)
             updates, opt_state = tx.update(grads, old_opt_state, params)
             new_params = optax.apply_updates(params, updates)
-            if _find_stats(aux) is not None:  # MoE: post-step correction-bias updates
+            if has_after_update(aux):  # e.g. the MoE routers' correction biases follow the load
+                # aux is laid out like the params (canonical stacks, or pipeline stages: the
+                # update is elementwise per layer either way)
                 model = nnx.merge(graphdef, new_params)
-                model.update_router_biases(aux)
+                model.after_update(aux)
                 new_params = nnx.to_pure_dict(nnx.state(model))
         nll, z, correct = sums
         grad_squares = jnp.stack([jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)])

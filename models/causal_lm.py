@@ -10,6 +10,7 @@ from flax import nnx
 
 from meshes.rules import constrain
 from models.layers.embed import Embed, LMHead
+from models.loss import chunked_cross_entropy
 from models.layers.norm import RMSNorm
 from models.layers.stack import LayerStack
 
@@ -25,22 +26,38 @@ class CausalLM(nnx.Module):
         self.final_norm = RMSNorm(embed, rngs=rngs, eps=norm_eps)
         self.head = None if tie_embeddings else LMHead(embed, vocab, rngs=rngs, init_std=init_std, dtype=dtype)
 
+    # The forward pass in pieces, so that the unpipelined step and the pipeline (which runs the
+    # stacks in stages between the first and the last piece) compute the same function.
+    def embed_inputs(self, tokens):
+        """Token ids [b, l] -> the residual stream [b, l, embed] the stacks start from."""
+        return constrain(self.embed(tokens), RESIDUAL)
+
+    def run_stacks(self, x, positions, segment_ids):
+        """The layer stacks in order: (residual stream, {stack name: its typed aux outputs})."""
+        aux = {}
+        for name in self.stack_order:
+            x, aux[name] = self.stacks[name](x, positions, segment_ids)
+        return x, aux
+
+    def head_sums(self, x, targets, loss_mask, *, chunk: int, z_loss: float = 0.0):
+        """Final norm, LM head and cross-entropy of the residual stream: token sums (nll, z-loss
+        term, correct top-1) over the tokens where loss_mask is set."""
+        return chunked_cross_entropy(self.logits, self.final_norm(x), targets, loss_mask, chunk=chunk, z_loss=z_loss)
+
     def hidden(self, tokens, positions=None, segment_ids=None):
         """Final normalized hidden states [b, l, embed] and per-stack auxiliary outputs."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         if segment_ids is None:
             segment_ids = jnp.ones(tokens.shape, jnp.int32)
-        x = constrain(self.embed(tokens), RESIDUAL)
-        aux = {}
-        for name in self.stack_order:
-            x, aux[name] = self.stacks[name](x, positions, segment_ids)
+        x, aux = self.run_stacks(self.embed_inputs(tokens), positions, segment_ids)
         return self.final_norm(x), aux
 
-    def update_router_biases(self, aux) -> None:
-        """Applies each MoE block's post-step bias update from its routing statistics."""
+    def after_update(self, aux) -> None:
+        """After an optimizer step: each stack's post-step updates from its typed outputs (the
+        MoE routers' correction biases; models/layers/aux_outputs.py)."""
         for name in self.stack_order:
-            self.stacks[name].update_router_biases(aux.get(name, {}))
+            self.stacks[name].after_update(aux.get(name, {}))
 
     def logits(self, hidden):
         out = self.embed.attend(hidden) if self.head is None else self.head(hidden)

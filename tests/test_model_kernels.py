@@ -13,6 +13,7 @@ from flax import nnx
 from helpers import assert_finite, random_packed_batch
 from kernel_checks import pallas_kernel_names
 from models.deepseek import DeepSeekConfig
+from models.layers.aux_outputs import aux_outputs
 from models.layers.mamba2 import SSMConfig
 from models.layers.router import RouterConfig
 from models.nemotron_h import NemotronHConfig
@@ -28,8 +29,7 @@ TINY_HYBRID = NemotronHConfig(vocab_size=64, embed=32, pattern=("mamba", "moe", 
 
 
 def _aux_loss(aux):
-    return sum(leaf.sum() for path, leaf in jax.tree_util.tree_leaves_with_path(aux)
-               if getattr(path[-1], "key", None) == "aux_loss")
+    return sum(out.aux_loss.sum() for out in aux_outputs(aux))
 
 
 # The pallas_calls each model's kernels="pallas" step must contain (forward and backward).

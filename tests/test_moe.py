@@ -135,8 +135,8 @@ def test_correction_bias_balances_a_skewed_router():
     @nnx.jit
     def step(block, x):
         _, stats = block(x)
-        block.update_correction_bias(stats["expert_load"])
-        load = stats["expert_load"]
+        block.after_update(stats)  # what the train step does after each optimizer step
+        load = stats.expert_load
         return load.max() / load.mean()
 
     imbalance = [float(step(block, jnp.asarray(rng.normal(size=(4, 64, D)) + 1.0, jnp.float32)))

@@ -6,10 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from flax import nnx, struct
 
 from helpers import assert_trees_close, initial_params, train_losses
 from meshes.mesh import MeshConfig
+from models.layers.aux_outputs import AuxOutput
 from models.layers.mamba2 import SSMConfig
 from models.layers.pattern_stack import PatternStack
 from models.layers.router import RouterConfig
@@ -108,14 +109,20 @@ def test_layout_errors_name_the_field(change, tensor, message):
         dataclasses.replace(TINY_NEMOTRON_H, **change).validate({"tensor": tensor})
 
 
+@struct.dataclass
+class _Load(AuxOutput):
+    load: jax.Array
+    after_update_applies = True
+
+
 class _Counter(nnx.Module):
     """Stands in for an MoE block: takes its per-step load into a parameter."""
 
     def __init__(self):
         self.bias = nnx.Param(jnp.zeros((2,)))
 
-    def update_correction_bias(self, load):
-        self.bias[...] = self.bias[...] + load
+    def after_update(self, out: _Load):
+        self.bias[...] = self.bias[...] + out.load
 
 
 class _Toy(nnx.Module):
@@ -124,7 +131,7 @@ class _Toy(nnx.Module):
         self.moe = _Counter()
 
     def __call__(self, x, positions, segment_ids):
-        return 2 * x + self.w[...], {"moe": {"expert_load": jnp.stack([self.w[...], -self.w[...]])}}
+        return 2 * x + self.w[...], {"moe": _Load(jnp.stack([self.w[...], -self.w[...]]))}
 
 
 def test_pattern_stack_applies_layers_in_pattern_order_and_routes_aux_per_kind():
@@ -137,6 +144,6 @@ def test_pattern_stack_applies_layers_in_pattern_order_and_routes_aux_per_kind()
     for kind, i in stack.slots:
         want = 2 * want + w[kind][i]
     np.testing.assert_allclose(x, want, rtol=1e-6)
-    np.testing.assert_allclose(aux["a"]["moe"]["expert_load"][:, 0], w["a"], rtol=1e-6)  # [layers of a, ...]
-    stack.update_router_biases(aux)
+    np.testing.assert_allclose(aux["a"]["moe"].load[:, 0], w["a"], rtol=1e-6)  # [layers of a, ...]
+    stack.after_update(aux)
     np.testing.assert_allclose(stack.stack("b").layers.moe.bias[...][:, 1], -w["b"], rtol=1e-6)

@@ -8,14 +8,50 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from meshes.experts import moe_forward
 from meshes.rules import active_mesh, active_rules
+from models.layers.aux_outputs import AuxOutput
 from models.layers.dense import Dense
 from models.layers.expert_ffn import WEIGHT_AXES, GatedExperts, PlainExperts
 from models.layers.router import CORRECTION_BIAS, Router, RouterConfig, updated_correction_bias
 from pallas_kernels.moe_routing import route
+
+
+@struct.dataclass
+class RoutingStats(AuxOutput):
+    """One MoE block's routing over the batch, summed over its tokens, and its aux loss. In a
+    stack every field has a leading layers axis."""
+    expert_load: jax.Array  # [experts] slots routed to each expert (before capacity drops)
+    score_sum: jax.Array  # [experts] router scores summed over tokens
+    z_sum: jax.Array  # sum of logsumexp(logits)^2
+    entropy_sum: jax.Array  # sum of the router distribution's entropy
+    tokens: jax.Array
+    dropped: jax.Array  # slots dropped by the capacity
+    aux_loss: jax.Array  # load-balancing + router z-loss, weighted (a mean over tokens)
+    after_update_applies = True  # the router's correction bias follows the load
+
+    def loss(self):
+        return self.aux_loss
+
+    @classmethod
+    def metrics(cls, outputs: dict, microbatches: int) -> dict:
+        """Per MoE layer: max/mean expert load, router entropy; per stack the aux loss; overall
+        the dropped-slot fraction."""
+        out, dropped, slots = {}, 0.0, 0.0
+        for stack, stats in outputs.items():
+            load = stats.expert_load.reshape((-1, stats.expert_load.shape[-1]))  # [layers, experts]
+            tokens = jnp.maximum(stats.tokens.reshape(-1), 1.0)
+            imbalance = load.max(-1) / jnp.maximum(load.mean(-1), 1e-9)
+            entropy = stats.entropy_sum.reshape(-1) / tokens
+            for i in range(load.shape[0]):
+                out[f"moe/{stack}{i}/load_max_over_mean"] = imbalance[i]
+                out[f"moe/{stack}{i}/router_entropy"] = entropy[i]
+            out[f"moe/{stack}/aux_loss"] = stats.aux_loss.sum() / microbatches
+            dropped, slots = dropped + stats.dropped.sum(), slots + load.sum()
+        out["moe/dropped_fraction"] = dropped / jnp.maximum(slots, 1.0)
+        return out
 
 
 def make_route_fn(cfg: RouterConfig, kernels: str):
@@ -60,8 +96,7 @@ class MoEBlock(nnx.Module):
             y = self.latent_up(y)
         if self.shared is not None:
             y = y + self.shared(x).astype(y.dtype)
-        stats["aux_loss"] = self.aux_loss(stats)
-        return y, stats
+        return y, RoutingStats(**stats, aux_loss=self.aux_loss(stats))
 
     def aux_loss(self, stats):
         """Load-balancing loss E * sum_e f_e * P_e (f: fraction of slots, P: mean score) and
@@ -70,6 +105,9 @@ class MoEBlock(nnx.Module):
         tokens = jnp.maximum(stats["tokens"], 1.0)
         balance = c.num_experts * jnp.sum(stats["expert_load"] / (tokens * c.top_k) * stats["score_sum"] / tokens)
         return c.aux_loss_weight * balance + c.z_loss_weight * stats["z_sum"] / tokens
+
+    def after_update(self, stats: RoutingStats) -> None:
+        self.update_correction_bias(stats.expert_load)
 
     def update_correction_bias(self, expert_load) -> None:
         """After an optimizer step: nudge the selection bias toward balanced load."""

@@ -125,6 +125,6 @@ class PatternStack(nnx.Module):
         rows = {kind: np.flatnonzero(kind_ids == k) for k, kind in enumerate(self.kinds)}
         return x, {kind: jax.tree.map(lambda a: a[rows[kind]], per_layer[k]) for k, kind in enumerate(self.kinds)}
 
-    def update_router_biases(self, aux) -> None:
+    def after_update(self, aux) -> None:
         for kind in self.kinds:
-            self.stack(kind).update_router_biases(aux.get(kind, {}))
+            self.stack(kind).after_update(aux.get(kind, {}))

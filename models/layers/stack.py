@@ -10,6 +10,7 @@ from typing import Callable
 import jax
 from flax import nnx
 
+from models.layers.aux_outputs import apply_after_update
 from models.layers.params import LOGICAL_AXES
 
 REMAT_POLICIES = {
@@ -55,20 +56,6 @@ class LayerStack(nnx.Module):
         x, aux = jax.lax.scan(one_layer, x, state)
         return x, aux  # aux: each leaf stacked per layer
 
-    def update_router_biases(self, aux) -> None:
-        apply_router_bias_updates(self.layers, aux)
-
-
-def apply_router_bias_updates(module, aux) -> None:
-    """Walks `aux` alongside the module tree (aux keys are attribute names) and hands each MoE
-    block its routing statistics (`expert_load`) for its post-step bias update."""
-    if not isinstance(aux, dict):
-        return
-    if "expert_load" in aux:
-        if hasattr(module, "update_correction_bias"):
-            module.update_correction_bias(aux["expert_load"])
-        return
-    for key, sub in aux.items():
-        child = getattr(module, key, None)
-        if child is not None:
-            apply_router_bias_updates(child, sub)
+    def after_update(self, aux) -> None:
+        """Post-step updates of the layers' typed outputs (models/layers/aux_outputs.py)."""
+        apply_after_update(self.layers, aux)
