@@ -45,9 +45,13 @@ class TrainSetup:
                 for k, s in self.batch_sharding.items()}
 
     def device_batch(self, host: dict) -> dict:
-        """A whole global batch held by this process (numpy arrays) -> sharded device arrays."""
-        return {k: jax.device_put(np.asarray(host[k], BATCH_DTYPES[k]), self.batch_sharding[k])
-                for k in self.batch_sharding}
+        """The whole global batch (numpy arrays, the same on every process) -> sharded device
+        arrays, each device taking its own shard."""
+        out = {}
+        for k, sharding in self.batch_sharding.items():
+            value = np.asarray(host[k], BATCH_DTYPES[k])
+            out[k] = jax.make_array_from_callback(value.shape, sharding, lambda index, v=value: v[index])
+        return out
 
 
 def build_train_setup(model_cfg, plan: ParallelPlan, train, optimizer: OptimizerConfig,

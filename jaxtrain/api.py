@@ -1,0 +1,137 @@
+"""jaxtrain from Python: build a run and step it on batches you provide.
+
+    from jaxtrain.api import Run
+    from models.llama import LlamaConfig
+
+    run = Run.create(LlamaConfig(vocab_size=320), "data=4,tensor=2,rules=fsdp",
+                     train=TrainConfig(global_batch=8, seq_len=64, steps=100))
+    metrics = run.step({"inputs": x, "targets": y})      # numpy [global_batch, seq_len]
+    run.evaluate({"inputs": x, "targets": y})            # {"loss", "accuracy", "tokens"}
+    run.save("/tmp/ckpt"); run.restore("/tmp/ckpt")      # canonical checkpoints, any layout
+
+A batch is a dict of [global_batch, seq_len] arrays: `inputs` and `targets` (token ids), and
+optionally `positions` (default 0..L-1 per row), `segment_ids` (packed documents; default one
+document per row) and `loss_mask` (default all ones). Every process passes the same whole
+global batch; each device takes its own shard of it. The run is the same machinery the
+Trainer uses (jaxtrain/train_setup.py): any ParallelPlan, pipelines included, the same
+numbers. The Trainer adds the data pipeline, logging, evaluation and resilience around it.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtrain.checkpoint import Checkpointer
+from jaxtrain.config import TrainConfig
+from jaxtrain.optim import OptimizerConfig
+from jaxtrain.parallel_plan import ParallelPlan
+from jaxtrain.train_setup import TrainSetup, build_train_setup
+
+
+class Run:
+    def __init__(self, setup: TrainSetup, state: dict, train: TrainConfig):
+        self.setup, self.state, self.train = setup, state, train
+
+    @classmethod
+    def create(cls, model, plan: ParallelPlan | str = "", *, train: TrainConfig = TrainConfig(),
+               optimizer: OptimizerConfig = OptimizerConfig(), devices=None, seed: int = 0,
+               params: dict | None = None) -> "Run":
+        """A run of `model` (a model config) laid out by `plan` (a ParallelPlan or spec string;
+        "" puts every device on `data`; a mesh of fixed sizes takes the first devices it needs). `params`: canonical parameters to start from (host
+        or device arrays, e.g. from `hf.load`); otherwise initialized from `seed`. `train`
+        gives the batch shape, the loss settings and the learning-rate schedule's length."""
+        if isinstance(plan, str):
+            plan = ParallelPlan().with_spec(plan)
+        sizes = plan.mesh.sizes().values()
+        if devices is None and -1 not in sizes:  # a fixed mesh takes the first devices it needs
+            devices = jax.devices()[:plan.mesh.fixed_device_count()]
+        setup = build_train_setup(model, plan, train, optimizer, devices)
+        if params is None:
+            state = setup.state.init(seed)
+        else:
+            disk = jax.tree.map(lambda a: a.sharding, setup.state.disk_abstract["params"])
+            state = setup.state.from_disk({"params": jax.device_put(params, disk)})
+            state["opt_state"] = jax.jit(setup.tx.init, out_shardings=setup.state.shardings["opt_state"])(
+                state["params"])
+            state["step"] = jax.device_put(jnp.zeros((), jnp.int32), setup.state.shardings["step"])
+        return cls(setup, state, train)
+
+    # -- stepping ------------------------------------------------------------------------------
+    def step(self, batch: dict) -> dict:
+        """One optimizer step on `batch`; its metrics as Python numbers (this waits for the step)."""
+        self.state, metrics = self.setup.train_step(self.state, self._device_batch(batch))
+        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+    def evaluate(self, batch: dict) -> dict:
+        """Mean loss and accuracy over the batch's loss-masked tokens (no update)."""
+        out = jax.device_get(self.setup.eval_step(self.state["params"], self._device_batch(batch)))
+        tokens = max(float(out["tokens"]), 1.0)
+        return {"loss": float(out["nll"]) / tokens, "accuracy": float(out["correct"]) / tokens,
+                "tokens": float(out["tokens"])}
+
+    @property
+    def step_count(self) -> int:
+        return int(jax.device_get(self.state["step"]))
+
+    @property
+    def params(self) -> dict:
+        """The parameters in the canonical layout (layer stacks; what checkpoints hold)."""
+        return self.setup.state.to_disk({"params": self.state["params"]})["params"]
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save(self, directory: str) -> int:
+        """Writes the state (params, optimizer, step) as checkpoint `step_count` in `directory`
+        and waits for it; returns the step. Restorable onto any plan."""
+        step = self.step_count
+        checkpointer = Checkpointer(directory, async_save=False)
+        try:
+            checkpointer.save(step, self.setup.state.to_disk(self.state))
+            checkpointer.wait()
+        finally:
+            checkpointer.close()
+        return step
+
+    def restore(self, directory: str, step: int | None = None) -> int:
+        """Loads checkpoint `step` (default: the newest intact one) into this run's layout."""
+        checkpointer = Checkpointer(directory)
+        try:
+            if step is None:
+                found = checkpointer.restore_latest(self.setup.state.disk_abstract, quarantine=False)
+                if found is None:
+                    raise FileNotFoundError(f"no checkpoint in {directory}")
+                step, restored, _ = found
+            else:
+                restored = checkpointer.restore(step, self.setup.state.disk_abstract)
+        finally:
+            checkpointer.close()
+        state = self.setup.state.from_disk(restored)
+        if "opt_state" not in state:  # a params-only checkpoint: fresh optimizer state
+            state["opt_state"] = jax.jit(self.setup.tx.init, out_shardings=self.setup.state.shardings["opt_state"])(
+                state["params"])
+        state["step"] = jax.device_put(jnp.asarray(step, jnp.int32), self.setup.state.shardings["step"])
+        self.state = state
+        return step
+
+    # -- batches -------------------------------------------------------------------------------
+    def _device_batch(self, batch: dict) -> dict:
+        t = self.train
+        shape = (t.global_batch, t.seq_len)
+        missing = {"inputs", "targets"} - set(batch)
+        if missing:
+            raise ValueError(f"a batch needs {sorted(missing)} (and may have positions, segment_ids, loss_mask)")
+        unknown = set(batch) - set(self.setup.batch_sharding)
+        if unknown:
+            raise ValueError(f"unknown batch keys {sorted(unknown)}; known: {sorted(self.setup.batch_sharding)}")
+        full = {"positions": np.broadcast_to(np.arange(t.seq_len, dtype=np.int32), shape),
+                "segment_ids": np.ones(shape, np.int32), "loss_mask": np.ones(shape, np.float32), **batch}
+        for key, value in full.items():
+            if tuple(np.shape(value)) != shape:
+                raise ValueError(f"batch[{key!r}] has shape {tuple(np.shape(value))}; this run takes "
+                                 f"[global_batch, seq_len] = {list(shape)} (TrainConfig)")
+        vocab = self.setup.state.model_cfg.vocab_size
+        for key in ("inputs", "targets"):
+            ids = np.asarray(full[key])
+            if ids.min() < 0 or ids.max() >= vocab:
+                raise ValueError(f"batch[{key!r}] holds token ids outside [0, vocab_size={vocab})")
+        return self.setup.device_batch(full)
