@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _common
 from pallas_kernels._common import masked_load as load
 from pallas_kernels._common import masked_store as store
+from pallas_kernels.grouped_matmul_tiled import grouped_matmul_tiled
 
 _NAME = "grouped_matmul"
 
@@ -274,7 +275,7 @@ def grouped_matmul(
       rhs: [g, k, n] one weight matrix per group.
       group_sizes: [g] integer row counts (cast to int32).
       impl: "auto" (Pallas on GPU, XLA elsewhere), "pallas" (interpreted off
-        GPU) or "xla".
+        GPU) or "xla" (`ragged_dot`; on CPU the tiled loop of grouped_matmul_tiled.py).
       block_m/block_n/block_k: power-of-2 tile sizes >= 16 (shrunk for small
         dims);
         num_warps/num_stages: Triton launch params.
@@ -293,6 +294,8 @@ def grouped_matmul(
     dtype = jnp.result_type(lhs.dtype, rhs.dtype)
     lhs, rhs = lhs.astype(dtype), rhs.astype(dtype)
     if not use_pallas:
+        if _common.target_platform() == "cpu":  # XLA:CPU expands ragged_dot densely over groups
+            return grouped_matmul_tiled(lhs, rhs, group_sizes)
         return grouped_matmul_reference(lhs, rhs, group_sizes)
     base = GmmConfig()
     cfg = GmmConfig(
