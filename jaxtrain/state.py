@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshes.rules import RuleSet, Table, named_sharding
+from meshes.rules import RuleSet, ShardingRuleError, Table, named_sharding, table_name
 from models.layers.params import logical_axes
 
 TrainState = dict  # {"step": int32[], "params": {...}, "opt_state": optax state}
@@ -72,10 +72,34 @@ def map_param_leaves(fn, tree, shapes: dict, other=lambda leaf: leaf):
 
 def shardings_by_path(tree, names: dict, shapes: dict, mesh, table: Table):
     """Parameter leaves and their mirrors (map_param_leaves) are laid out by the parameter's
-    logical names; every other leaf is replicated."""
+    logical names; every other leaf is replicated. A parameter the rules cannot lay out (an
+    unknown logical name, a dimension its mesh axes do not divide) is one ShardingRuleError
+    naming every such parameter's path, shape and logical names, and the rule table."""
     replicated = NamedSharding(mesh, PartitionSpec())
-    return map_param_leaves(lambda path, leaf: named_sharding(mesh, names[path], leaf.shape, table), tree, shapes,
-                            other=lambda leaf: replicated)
+    failures = {}  # parameter path -> reason (mirrors of one parameter fail alike: named once)
+
+    def shard(path, leaf):
+        try:
+            return named_sharding(mesh, names[path], leaf.shape, table)
+        except ShardingRuleError as e:
+            failures.setdefault(path, (tuple(leaf.shape), e.reason))
+            return replicated
+
+    out = map_param_leaves(shard, tree, shapes, other=lambda leaf: replicated)
+    if failures:
+        by_reason = {}  # one cause (e.g. heads=6 over tensor=4) usually fails several parameters
+        for path, (shape, reason) in failures.items():
+            by_reason.setdefault(reason, []).append((path, shape))
+        causes = []
+        for reason, params in by_reason.items():
+            (path, shape), others = params[0], len(params) - 1
+            more = f" (and {others} more parameter{'s' if others > 1 else ''})" if others else ""
+            causes.append(f"{reason}: parameter {'/'.join(map(str, path))} of shape {shape} named "
+                          f"{names[path]}{more}")
+        where = f" under rule table {table_name(table)!r}" if table_name(table) else ""
+        mesh_text = " x ".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1) or "one device"
+        raise ShardingRuleError(f"parameters do not fit the mesh {mesh_text}{where}: " + "; ".join(causes))
+    return out
 
 
 def in_memory(shardings, memory_kind: str):

@@ -21,7 +21,7 @@ from jaxtrain.pipeline_layout import PipelineLayout
 from jaxtrain.state import (abstract_model, count_params, in_memory, init_state, optimizer_shardings,
                             param_shardings, shardings_by_path, state_shardings, with_shardings)
 from meshes.pipeline_split import StagePlan
-from meshes.rules import RuleSet
+from meshes.rules import RuleSet, RuleTable, table_name
 
 
 class CanonicalState:
@@ -58,7 +58,8 @@ class StagedState:
                                                                    rules.optimizer_table), rules.optimizer_memory)}
         self.abstract = with_shardings({"step": step, "params": params, "opt_state": opt_state}, self.shardings)
 
-        on_pipeline = lambda table: {**table, "layers": ("pipeline",)}
+        on_pipeline = lambda table: RuleTable({**table, "layers": ("pipeline",)},
+                                              f"{table_name(table) or 'rules'}, canonical stacks' layers over pipeline")
         disk_params = nnx.to_pure_dict(canonical)
         disk_opt = jax.eval_shape(tx.init, disk_params)
         self.disk_shardings = {"step": replicated,

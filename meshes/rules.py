@@ -5,17 +5,26 @@ Models name every parameter and activation dimension logically (`embed`, `heads`
 parameters, activations and optimizer state, so data parallel, FSDP/ZeRO, tensor parallel
 and sequence parallel are different tables over the same model code.
 
+Every logical name is declared once in `LOGICAL_NAMES` with its meaning; a name that is not
+declared there is an error (`ShardingRuleError`), so a typo cannot silently replicate a weight.
+
 Resolution of one tensor walks its dimensions in order; each takes the mesh axes its rule
 names, skipping axes an earlier dimension of the same tensor already took and axes of size 1.
-A dimension that the product of its axes does not divide keeps the longest prefix that does
-(e.g. an odd vocabulary stays replicated); model configs validate the dimensions where
-silent replication would be wrong (heads over tensor) before anything is built.
+A dimension that the product of its axes does not divide is an error naming the dimension and
+the axes, unless its name is declared to replicate instead (`Indivisible.REPLICATE`: an odd
+vocabulary; `Indivisible.REPLICATE_SINGLE`: a dimension of size 1, e.g. multi-query attention's
+one key/value head or Mamba-2's one B/C group): then it keeps the longest prefix of its axes
+that divides (often none).
+`jaxtrain/state.py` runs this for every parameter when the state's shardings are built,
+before anything is compiled, and names the parameter path in the error; activations are
+checked the same way when a step is traced (`constrain`).
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import dataclasses
+import enum
 import math
 from typing import Mapping, Sequence
 
@@ -24,6 +33,111 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 Table = Mapping[str, tuple[str, ...]]
 DATA_PARALLEL_AXES = ("data", "expert")  # expert acts as data parallel for dense parts
+
+
+class ShardingRuleError(ValueError):
+    """A logical name no one declared, or a dimension its mesh axes do not divide.
+
+    `reason` is the short cause ("heads=6 is not divisible by tensor=4"); the message adds the
+    tensor's shape, its logical names and the rule table's name where known."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason or message
+
+
+# ---- the logical names ----------------------------------------------------------------------
+
+class Indivisible(enum.Enum):
+    ERROR = "error"  # a dimension its axes do not divide is an error
+    REPLICATE = "replicate"  # keep the longest prefix of the axes that divides (often none)
+    REPLICATE_SINGLE = "replicate_single"  # a size-1 dimension stays whole; any other size must divide
+
+
+@dataclasses.dataclass(frozen=True)
+class LogicalName:
+    meaning: str
+    indivisible: Indivisible = Indivisible.ERROR
+
+
+def _n(meaning: str, indivisible: Indivisible = Indivisible.ERROR) -> LogicalName:
+    return LogicalName(meaning, indivisible)
+
+
+LOGICAL_NAMES: dict[str, LogicalName] = {
+    # activations
+    "batch": _n("rows of a global batch or of one microbatch (data parallel)"),
+    "length": _n("sequence positions inside attention / SSM / MLP layers (context parallel)"),
+    "residual_length": _n("sequence positions of the residual stream between blocks (+tensor: sequence parallel)"),
+    "stages": _n("pipeline stages of a stage-layout stack or of the pipeline's buffers (meshes/pipeline.py)"),
+    # layer stacks
+    # The canonical (on-disk) layout of a pipelined run splits each stack's layers over `pipeline`
+    # only where that divides (jaxtrain/state_layouts.py): DeepSeek-V2-Lite's one dense layer and
+    # Nemotron-3-Nano's 23 Mamba layers on pipeline=2 stay whole there. Compute uses the stage
+    # layout (`stages`), so this only sets where a save's temporary copy lives.
+    "layers": _n("layer index of a scanned stack (models/layers/stack.py, pattern_stack.py)",
+                 Indivisible.REPLICATE),
+    # widths
+    "embed": _n("the model width of weights and of the residual stream (FSDP splits weights' embed)"),
+    "norm": _n("the width an RMSNorm scale runs over (kept whole: a few KiB per layer)"),
+    # Vocabulary sizes are set by tokenizers (GPT-2's 50257, byte vocabularies): an odd one stays
+    # replicated over tensor rather than failing; the loss works on either layout.
+    "vocab": _n("vocabulary rows of the embedding / columns of the head and of the logits",
+                Indivisible.REPLICATE),
+    # attention
+    "heads": _n("attention query heads (and MLA's per-head up-projections; tensor parallel)"),
+    # One key/value head (multi-query attention: Gemma-2B, Falcon-7B) is shared by every query
+    # head and stays whole on each tensor rank, as Megatron does; the per-device attention kernels
+    # then pair each local query head with it correctly. Two or more that tensor does not divide
+    # would pair local query heads with the wrong key/value heads: an error.
+    "kv_heads": _n("key/value heads of grouped-query attention (tensor parallel with the heads)",
+                   Indivisible.REPLICATE_SINGLE),
+    "head_dim": _n("width of one attention head, MLA's rope key width (kept whole)"),
+    "q_lora": _n("MLA's query compression rank (kept whole)"),
+    "kv_lora": _n("MLA's key/value latent rank (kept whole)"),
+    # feed-forward
+    "mlp": _n("hidden width of dense MLPs and shared experts (tensor parallel)"),
+    "experts": _n("routed experts of a MoE layer (expert parallel)"),
+    "expert_embed": _n("the model width of a routed expert's weights (FSDP over its expert-data-parallel axes)"),
+    "expert_mlp": _n("hidden width of one routed expert (expert tensor parallel, `+expert_tp`)"),
+    "router_experts": _n("the router's per-expert scores and correction bias (kept whole: every token scores all)"),
+    "moe_latent": _n("the latent width routed experts work in (Nemotron-H moe_latent_size; kept whole)"),
+    # Mamba-2
+    "ssm_heads": _n("Mamba-2 heads (tensor parallel like attention heads)"),
+    "ssm_head_dim": _n("width of one Mamba-2 head (kept whole)"),
+    # Heads are split with their B/C groups, so the SSD scan on one device sees its heads' groups.
+    # One group (Mamba-2's n_groups=1) is shared by every head and stays whole on each device; two
+    # or more groups that the heads' axes do not divide would pair heads with the wrong groups.
+    "ssm_groups": _n("Mamba-2 B/C groups, split with their heads", Indivisible.REPLICATE_SINGLE),
+    "ssm_state": _n("Mamba-2 state size (kept whole)"),
+    "conv_kernel": _n("taps of the Mamba-2 short causal conv (kept whole)"),
+}
+
+
+def check_names(names: Sequence[str | None], shape: Sequence[int] | None = None, what: str = "tensor") -> None:
+    """Every name registered in LOGICAL_NAMES (None entries: never sharded)."""
+    unknown = [n for n in names if n is not None and n not in LOGICAL_NAMES]
+    if unknown:
+        shape_text = f" of shape {tuple(shape)}" if shape is not None else ""
+        reason = (f"unknown logical axis name {unknown[0]!r} (known: {', '.join(sorted(LOGICAL_NAMES))}; "
+                  f"declare new ones in meshes/rules.py LOGICAL_NAMES)")
+        raise ShardingRuleError(f"{reason} in a {what}{shape_text} named {tuple(names)}", reason)
+
+
+def table_name(table: Table) -> str | None:
+    return getattr(table, "name", None)
+
+
+class RuleTable(dict):
+    """A rule table that knows its name ("fsdp+experts_folded params"), for error messages."""
+
+    def __init__(self, entries: Table, name: str | None = None):
+        super().__init__(entries)
+        self.name = name
+        check_names(tuple(self), what=f"rule table {name!r}")
+
+    def __reduce__(self):
+        return (RuleTable, (dict(self), self.name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,20 +150,40 @@ class RuleSet:
     # `+opt_host`): the step brings it to the device for the update and writes it back.
     optimizer_memory: str = "device"
 
+    def __post_init__(self):  # each table carries the set's name (also after an overlay's replace)
+        for part in ("params", "activations", "optimizer"):
+            table = getattr(self, part)
+            if table is not None:
+                object.__setattr__(self, part, RuleTable(table, f"{self.name} {part}"))
+
     @property
     def optimizer_table(self) -> Table:
         return self.optimizer if self.optimizer is not None else self.params
 
 
+def _axes_text(axes: Sequence[str], mesh) -> str:
+    text = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+    return text if len(axes) == 1 else f"{text} = {math.prod(mesh.shape[a] for a in axes)}"
+
+
 def spec_for(names: Sequence[str | None], shape: Sequence[int], table: Table, mesh) -> PartitionSpec:
+    """The PartitionSpec of a tensor of `shape` whose dimensions are named `names` (module docstring)."""
     if len(names) != len(shape):
-        raise ValueError(f"logical axes {tuple(names)} do not match shape {tuple(shape)}")
+        raise ShardingRuleError(f"logical axes {tuple(names)} do not match shape {tuple(shape)}")
+    check_names(names, shape)
     used: set[str] = set()
     entries = []
     for name, dim in zip(names, shape):
         axes = [a for a in table.get(name, ()) if a not in used and mesh.shape[a] > 1] if name else []
-        while axes and dim % math.prod(mesh.shape[a] for a in axes):
-            axes.pop()
+        if axes and dim % math.prod(mesh.shape[a] for a in axes):
+            policy = LOGICAL_NAMES[name].indivisible
+            if policy is Indivisible.ERROR or (policy is Indivisible.REPLICATE_SINGLE and dim != 1):
+                reason = f"{name}={dim} is not divisible by {_axes_text(axes, mesh)}"
+                where = f", rule table {table_name(table)!r}" if table_name(table) else ""
+                raise ShardingRuleError(f"{reason} (a tensor of shape {tuple(shape)} named {tuple(names)}{where})",
+                                        reason)
+            while axes and dim % math.prod(mesh.shape[a] for a in axes):
+                axes.pop()
         used.update(axes)
         entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
     return PartitionSpec(*entries)

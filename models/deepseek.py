@@ -55,13 +55,9 @@ class DeepSeekConfig:
         return self.layers - self.first_k_dense
 
     def validate(self, mesh_sizes: Mapping[str, int]) -> None:
-        tensor = mesh_sizes.get("tensor", 1)
-        if self.heads % tensor:
-            raise ValueError(f"DeepSeekConfig.heads={self.heads} is not divisible by the tensor axis size {tensor}")
+        """Semantic checks; divisibility by the mesh is checked per parameter by the rule tables."""
         if not 0 <= self.first_k_dense <= self.layers:
             raise ValueError(f"DeepSeekConfig.first_k_dense={self.first_k_dense} must be in [0, layers={self.layers}]")
-        if self.mlp % tensor:
-            raise ValueError(f"DeepSeekConfig.mlp={self.mlp} is not divisible by the tensor axis size {tensor}")
         self.router.validate()
         check_attention(self.attention, "DeepSeekConfig")
 

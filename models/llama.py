@@ -41,19 +41,14 @@ class LlamaConfig:
         return self.head_dim or self.embed // self.heads
 
     def validate(self, mesh_sizes: Mapping[str, int]) -> None:
-        """Errors for a model that cannot be laid out on a mesh, before anything is built."""
-        tensor = mesh_sizes.get("tensor", 1)
-        for name in ("heads", "kv_heads"):
-            if getattr(self, name) % tensor:
-                raise ValueError(f"LlamaConfig.{name}={getattr(self, name)} is not divisible by the "
-                                 f"tensor axis size {tensor}")
-        if self.heads % self.kv_heads:
-            raise ValueError(f"LlamaConfig.heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
-        if self.mlp % tensor:
-            raise ValueError(f"LlamaConfig.mlp={self.mlp} is not divisible by the tensor axis size {tensor}")
+        """Errors for a model that makes no sense, before anything is built. Whether its
+        dimensions divide the mesh is the rule tables' check over every parameter
+        (meshes/rules.py, run when the state's shardings are built)."""
         for name in ("vocab_size", "embed", "layers", "heads", "kv_heads", "mlp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"LlamaConfig.heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
         if self.resolved_head_dim % 2:
             raise ValueError(f"LlamaConfig head_dim={self.resolved_head_dim} must be even (rotary dims come in pairs)")
         check_attention(self.attention, "LlamaConfig")

@@ -44,7 +44,7 @@ class Mamba2Config:
         for name in ("vocab_size", "embed", "layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Mamba2Config.{name} must be positive, got {getattr(self, name)}")
-        self.ssm.validate(mesh_sizes.get("tensor", 1), "Mamba2Config")
+        self.ssm.validate("Mamba2Config")
 
     def build(self, rngs: nnx.Rngs) -> CausalLM:
         dtype = dtype_from_name(self.dtype)

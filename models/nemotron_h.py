@@ -60,7 +60,7 @@ class NemotronHConfig:
         return sum(1 for k in self.pattern if k == kind)
 
     def validate(self, mesh_sizes: Mapping[str, int]) -> None:
-        tensor = mesh_sizes.get("tensor", 1)
+        """Semantic checks; divisibility by the mesh is checked per parameter by the rule tables."""
         unknown = sorted(set(self.pattern) - set(KINDS))
         if not self.pattern or unknown:
             raise ValueError(f"NemotronHConfig.pattern must list layer kinds from {KINDS}, got unknown {unknown}"
@@ -68,20 +68,10 @@ class NemotronHConfig:
         for name in ("vocab_size", "embed", "heads", "kv_heads", "head_dim", "mlp", "expert_mlp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"NemotronHConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.count("attention"):
-            for name in ("heads", "kv_heads"):
-                if getattr(self, name) % tensor:
-                    raise ValueError(f"NemotronHConfig.{name}={getattr(self, name)} is not divisible by the "
-                                     f"tensor axis size {tensor}")
-            if self.heads % self.kv_heads:
-                raise ValueError(f"NemotronHConfig.heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
-        if self.count("mlp") and self.mlp % tensor:
-            raise ValueError(f"NemotronHConfig.mlp={self.mlp} is not divisible by the tensor axis size {tensor}")
-        if self.count("moe") and self.shared_expert_mlp % tensor:
-            raise ValueError(f"NemotronHConfig.shared_expert_mlp={self.shared_expert_mlp} is not divisible by "
-                             f"the tensor axis size {tensor}")
+        if self.count("attention") and self.heads % self.kv_heads:
+            raise ValueError(f"NemotronHConfig.heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
         if self.count("mamba"):
-            self.ssm.validate(tensor, "NemotronHConfig")
+            self.ssm.validate("NemotronHConfig")
         self.router.validate()
         check_attention(self.attention, "NemotronHConfig")
 

@@ -57,9 +57,12 @@ def in_process(args, capsys):
 
 @pytest.mark.parametrize("bindings, message", [
     (["DataConfig.train_files=['no/such/file.txt']"], "no/such/file.txt"),
-    (["LlamaConfig.heads=6", "LlamaConfig.kv_heads=3"], "kv_heads=3 is not divisible by the tensor axis size 2"),
-    (["LlamaConfig.heads=6", "LlamaConfig.kv_heads=2", "MeshConfig.data=4", "MeshConfig.tensor=4"],
-     "heads=6 is not divisible by the tensor axis size 4"),
+    # the rule tables' check over every parameter names the first one of each cause
+    (["LlamaConfig.heads=6", "LlamaConfig.kv_heads=3", "LlamaConfig.head_dim=8"],
+     "kv_heads=3 is not divisible by tensor=2: parameter stacks/blocks/layers/attn/k/kernel of shape"),
+    (["LlamaConfig.heads=6", "LlamaConfig.kv_heads=2", "LlamaConfig.head_dim=8", "MeshConfig.data=4",
+      "MeshConfig.tensor=4"],
+     "heads=6 is not divisible by tensor=4: parameter stacks/blocks/layers/attn/o/kernel of shape"),
     (["LlamaConfig.heads=8", "LlamaConfig.embed=40"], "head_dim=5 must be even"),
     (["TrainConfig.steps=0"], "TrainConfig.steps must be positive"),
     (["TrainConfig.global_batch=-8"], "TrainConfig.global_batch must be positive"),

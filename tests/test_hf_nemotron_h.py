@@ -26,7 +26,7 @@ HF_CONFIG = dict(moe_latent_size=16, mlp_bias=True, use_bias=True, time_step_min
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
     directory = save_tiny_nemotron_h(tmp_path_factory.mktemp("nemotron_h"), seed=5, **HF_CONFIG)
-    tokens = random_tokens(96, batch=2, length=16)
+    tokens = random_tokens(96, batch=8, length=16)  # 8 rows: the batch splits over data=8 on 16 devices
     return types.SimpleNamespace(dir=directory, tokens=tokens, reference=transformers_logits(directory, tokens))
 
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from hf_tiny_models import random_tokens, relative_error, save_tiny_mamba2
 from jaxtrain import hf
@@ -136,14 +137,32 @@ def test_mixer_does_not_leak_across_packed_documents():
     assert np.abs(y[0, 10:] - y[1, 10:]).max() > 1e-3  # without the reset the second document would differ
 
 
+def _param_shardings(cfg, tensor: int):
+    from jaxtrain.state import abstract_model, param_shardings
+    from meshes.mesh import MeshConfig, build_mesh
+    from meshes.rules import get_rule_set
+
+    _, abstract = abstract_model(cfg)
+    mesh = build_mesh(MeshConfig(data=16 // tensor, tensor=tensor))
+    return param_shardings(abstract, mesh, get_rule_set("dp").params)
+
+
 def test_config_errors_name_the_field():
-    with pytest.raises(ValueError, match="ssm.heads=6 is not divisible by the tensor axis size 4"):
-        Mamba2Config(ssm=SSMConfig(heads=6, groups=1)).validate({"tensor": 4})
-    with pytest.raises(ValueError, match="ssm.groups=2 is not divisible by the tensor axis size 4"):
-        Mamba2Config(ssm=SSMConfig(heads=8, groups=2)).validate({"tensor": 4})
+    # Heads and groups over tensor: the rule tables' check names the parameter.
+    with pytest.raises(ValueError, match=r"ssm_heads=6 is not divisible by tensor=4: parameter "
+                                         r"stacks/blocks/layers/mixer/A_log of shape \(2, 6\)"):
+        _param_shardings(Mamba2Config(ssm=SSMConfig(heads=6, groups=1)), 4)
+    with pytest.raises(ValueError, match=r"ssm_groups=2 is not divisible by tensor=4: parameter "
+                                         r"stacks/blocks/layers/mixer/conv_b/bias"):
+        _param_shardings(Mamba2Config(ssm=SSMConfig(heads=8, groups=2)), 4)
     with pytest.raises(ValueError, match="time_step_limit"):
         Mamba2Config(ssm=SSMConfig(time_step_limit=(0.5, 0.1))).validate({})
-    Mamba2Config(ssm=SSMConfig(heads=8, groups=1)).validate({"tensor": 4})  # one group: replicated B/C
+    with pytest.raises(ValueError, match="ssm.heads=6 is not a multiple of ssm.groups=4"):
+        Mamba2Config(ssm=SSMConfig(heads=6, groups=4)).validate({})
+    # One group: B/C replicated, heads split.
+    mixer = _param_shardings(Mamba2Config(ssm=SSMConfig(heads=8, groups=1)), 4)["stacks"]["blocks"]["layers"]["mixer"]
+    assert mixer["in_b"]["kernel"].spec == P(None, None, None, None)
+    assert mixer["in_x"]["kernel"].spec == P(None, None, "tensor", None)
 
 
 # ----------------------------------------------------------------------------- HF parity

@@ -97,16 +97,29 @@ def test_param_count_matches_the_built_model():
 
 
 @pytest.mark.parametrize("change, tensor, message", [
-    (dict(ssm=SSMConfig(heads=6, groups=2)), 4, "ssm.heads=6 is not divisible by the tensor axis size 4"),
-    (dict(ssm=SSMConfig(heads=8, groups=2)), 4, "ssm.groups=2 is not divisible by the tensor axis size 4"),
-    (dict(kv_heads=2), 4, "kv_heads=2 is not divisible"),
+    # dimensions over the mesh: the rule tables' check when the parameter shardings are built
+    (dict(ssm=SSMConfig(heads=6, groups=2)), 4,
+     r"ssm_heads=6 is not divisible by tensor=4: parameter stacks/blocks/mamba/layers/mixer/A_log"),
+    (dict(ssm=SSMConfig(heads=8, groups=2)), 4,
+     r"ssm_groups=2 is not divisible by tensor=4: parameter stacks/blocks/mamba/layers/mixer/conv_b/bias"),
+    (dict(kv_heads=2), 4, r"kv_heads=2 is not divisible by tensor=4: parameter stacks/blocks/attention/layers/attn/k"),
+    (dict(shared_expert_mlp=30), 4, r"mlp=30 is not divisible by tensor=4: parameter stacks/blocks/moe/layers/"),
+    # the config's own checks
     (dict(pattern=("mamba", "transformer")), 1, "unknown"),
+    (dict(heads=6), 1, "heads=6 is not a multiple of kv_heads=4"),
 ])
 def test_layout_errors_name_the_field(change, tensor, message):
     import dataclasses
 
+    from jaxtrain.state import abstract_model, param_shardings
+    from meshes.mesh import build_mesh
+    from meshes.rules import get_rule_set
+
+    cfg = dataclasses.replace(TINY_NEMOTRON_H, **change)
     with pytest.raises(ValueError, match=message):
-        dataclasses.replace(TINY_NEMOTRON_H, **change).validate({"tensor": tensor})
+        cfg.validate({"tensor": tensor})
+        _, abstract = abstract_model(cfg)
+        param_shardings(abstract, build_mesh(MeshConfig(data=16 // tensor, tensor=tensor)), get_rule_set("dp").params)
 
 
 @struct.dataclass

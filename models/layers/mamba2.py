@@ -53,17 +53,14 @@ class SSMConfig:
     def inner(self) -> int:
         return self.heads * self.head_dim
 
-    def validate(self, tensor: int, owner: str) -> None:
+    def validate(self, owner: str) -> None:
+        """Semantic checks. Heads and groups over the mesh are the rule tables' check (meshes/rules.py:
+        `ssm_heads` must divide, `ssm_groups` must divide unless there is one group)."""
         for name in ("heads", "head_dim", "state", "groups", "conv_kernel", "chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{owner}.ssm.{name} must be positive, got {getattr(self, name)}")
         if self.heads % self.groups:
             raise ValueError(f"{owner}.ssm.heads={self.heads} is not a multiple of ssm.groups={self.groups}")
-        if self.heads % tensor:
-            raise ValueError(f"{owner}.ssm.heads={self.heads} is not divisible by the tensor axis size {tensor}")
-        if self.groups > 1 and self.groups % tensor:
-            raise ValueError(f"{owner}.ssm.groups={self.groups} is not divisible by the tensor axis size {tensor} "
-                             f"(groups split with their heads; only groups=1 is replicated instead)")
         lo, hi = self.time_step_limit
         if lo < 0 or (hi is not None and hi <= lo):
             raise ValueError(f"{owner}.ssm.time_step_limit={self.time_step_limit} must be (min >= 0, max > min "
