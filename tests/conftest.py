@@ -22,7 +22,8 @@ jax.config.update("jax_threefry_partitionable", True)
 # rules, data, HF mappings, kernels against their references, layers, the resilience parts —
 # for the edit-test loop (under 3 minutes); `make test` runs everything.
 FAST_MODULES = {
-    "test_mesh", "test_data", "test_hf_config", "test_hf_mapping", "test_hf_errors", "test_hlo_stats",
+    "test_mesh", "test_strict_rules", "test_data", "test_hf_config", "test_hf_mapping", "test_hf_errors",
+    "test_hlo_stats",
     "test_pipeline_split", "test_ports", "test_resilience_parts", "test_mla", "test_latent_attention",
     "test_expert_exchange", "test_packing_attention", "test_moe", "test_mamba2", "test_bench_collectives",
     "test_kernels_causal_conv1d", "test_kernels_moe_routing", "test_kernels_grouped_matmul",
