@@ -138,11 +138,7 @@ def json_record(spec: str, exp, plan, r: dict | None, error: str | None = None) 
               "remat": getattr(model, "remat", None), "global_batch": t.global_batch, "seq_len": t.seq_len,
               "microbatches": plan.microbatches if plan else t.microbatches, "device_kind": jax.devices()[0].device_kind,
               "devices": jax.device_count(), "flops_per_token": model.flops_per_token(t.seq_len)}
-    for name, kwargs in (("params", {}), ("active_params", {"active_only": True})):
-        try:
-            record[name] = model.param_count(**kwargs)
-        except (AttributeError, TypeError):
-            pass
+    record["params"], record["active_params"] = model.param_count(), model.param_count(active_only=True)
     if error is not None:
         record["error"] = error
     else:

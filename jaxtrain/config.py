@@ -16,18 +16,16 @@ from jaxtrain.pipeline_config import PipelineConfig
 from jaxtrain.resilience.nonfinite import Halt, Rollback, Skip
 from meshes.context_layout import AllGatherKV, ContextParallel, Contiguous, LoadBalanced, RingKV
 from meshes.mesh_config import MeshConfig
+from models.family import families
 from models.layers.attention_impl import AutoAttention, BlockwiseAttention, MaterializedAttention, PallasAttention
-from models.layers.rope import Llama3Scaling, LinearScaling, NoScaling, YarnScaling
-from models.deepseek import DeepSeekConfig
-from models.layers.router import RouterConfig
 from models.layers.mamba2 import SSMConfig
-from models.llama import LlamaConfig
-from models.mamba2 import Mamba2Config
-from models.nemotron_h import NemotronHConfig
+from models.layers.rope import Llama3Scaling, LinearScaling, NoScaling, YarnScaling
+from models.layers.router import RouterConfig
 
-for _cls in (LlamaConfig, DeepSeekConfig, RouterConfig, NoScaling, LinearScaling, Llama3Scaling, YarnScaling,
-             NemotronHConfig, Mamba2Config, SSMConfig, AutoAttention, BlockwiseAttention, MaterializedAttention,
-             PallasAttention):
+families()  # every model family registers its config with gin itself (models/family.py)
+# The layers' own configurables, shared by families:
+for _cls in (RouterConfig, SSMConfig, NoScaling, LinearScaling, Llama3Scaling, YarnScaling, AutoAttention,
+             BlockwiseAttention, MaterializedAttention, PallasAttention):
     gin.external_configurable(_cls, module="models")
 for _cls in (ContextParallel, Contiguous, LoadBalanced, RingKV, AllGatherKV):
     gin.external_configurable(_cls, module="meshes")

@@ -12,6 +12,7 @@ from flax import nnx
 
 from models.causal_lm import CausalLM, add_residual
 from models.dtypes import dtype_from_name
+from models.family import model_family
 from models.layers.attention_impl import AutoAttention, check_attention
 from models.layers.mla import MultiHeadLatentAttention, mla_softmax_scale
 from models.layers.mlp import SwiGLU
@@ -22,6 +23,7 @@ from models.layers.router import RouterConfig
 from models.layers.stack import LayerStack
 
 
+@model_family("deepseek_v2", "MLA attention, dense prefix, DeepSeekMoE (routed + shared experts)")
 @dataclasses.dataclass(frozen=True)
 class DeepSeekConfig:
     vocab_size: int = 512

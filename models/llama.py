@@ -8,6 +8,7 @@ from flax import nnx
 
 from models.causal_lm import CausalLM, add_residual
 from models.dtypes import dtype_from_name
+from models.family import model_family
 from models.layers.attention import GroupedQueryAttention
 from models.layers.attention_impl import AutoAttention, check_attention
 from models.layers.mlp import SwiGLU
@@ -16,6 +17,7 @@ from models.layers.rope import NoScaling
 from models.layers.stack import LayerStack
 
 
+@model_family("llama", "pre-norm grouped-query attention + SwiGLU, RoPE")
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int = 512
@@ -56,7 +58,8 @@ class LlamaConfig:
     def build(self, rngs: nnx.Rngs) -> CausalLM:
         return build_llama(self, rngs)
 
-    def param_count(self, include_embeddings: bool = True) -> int:
+    def param_count(self, include_embeddings: bool = True, active_only: bool = False) -> int:
+        """Every parameter is active for every token (no experts): active_only changes nothing."""
         d, hd = self.embed, self.resolved_head_dim
         attn = d * hd * (2 * self.heads + 2 * self.kv_heads)
         per_layer = attn + 3 * d * self.mlp + 2 * d

@@ -9,6 +9,7 @@ from flax import nnx
 
 from models.causal_lm import CausalLM, add_residual
 from models.dtypes import dtype_from_name
+from models.family import model_family
 from models.layers.mamba2 import Mamba2Mixer, SSMConfig
 from models.layers.norm import RMSNorm
 from models.layers.stack import LayerStack
@@ -27,6 +28,7 @@ class Mamba2Block(nnx.Module):
         return add_residual(x, self.mixer(self.norm(x), segment_ids)), {}
 
 
+@model_family("mamba2", "pure Mamba-2 language model")
 @dataclasses.dataclass(frozen=True)
 class Mamba2Config:
     vocab_size: int = 512
@@ -54,7 +56,8 @@ class Mamba2Config:
         return CausalLM(vocab=self.vocab_size, embed=self.embed, stacks={"blocks": blocks}, norm_eps=self.norm_eps,
                         tie_embeddings=self.tie_embeddings, rngs=rngs, init_std=self.init_std, dtype=dtype)
 
-    def param_count(self, include_embeddings: bool = True) -> int:
+    def param_count(self, include_embeddings: bool = True, active_only: bool = False) -> int:
+        """Every parameter is active for every token (no experts): active_only changes nothing."""
         per_layer = self.ssm.param_count(self.embed) + self.embed
         emb = self.vocab_size * self.embed * (1 if self.tie_embeddings else 2)
         return self.layers * per_layer + self.embed + (emb if include_embeddings else 0)

@@ -18,6 +18,7 @@ from flax import nnx
 
 from models.causal_lm import CausalLM, add_residual
 from models.dtypes import dtype_from_name
+from models.family import model_family
 from models.layers.attention import GroupedQueryAttention
 from models.layers.attention_impl import AutoAttention, check_attention
 from models.layers.mamba2 import SSMConfig
@@ -31,6 +32,7 @@ from models.mamba2 import Mamba2Block
 KINDS = ("mamba", "attention", "mlp", "moe")
 
 
+@model_family("nemotron_h", "hybrid pattern of Mamba-2, attention, MLP and MoE blocks")
 @dataclasses.dataclass(frozen=True)
 class NemotronHConfig:
     vocab_size: int = 512
