@@ -64,9 +64,13 @@ def _attention(name: str):
             "auto": impl.AutoAttention()}[name]
 
 
-def bench_layout(exp, plan, *, steps: int, compile_only: bool) -> dict:
+def bench_layout(exp, plan, *, steps: int, compile_only: bool, max_replicated: float | None = None) -> dict:
+    """`max_replicated`: fail the layout (ValueError) when more than this fraction of a
+    device's parameter bytes are replicated copies (MaxText's assert_params_sufficiently_sharded)."""
     import jax
     import numpy as np
+
+    from meshes.sharding_audit import audit_sharding, check_sufficiently_sharded
 
     from jaxtrain.flops import model_flops_utilization, peak_flops
     from jaxtrain.hlo_stats import collective_stats, executed_collective_stats
@@ -76,9 +80,13 @@ def bench_layout(exp, plan, *, steps: int, compile_only: bool) -> dict:
     setup = build_train_setup(exp.model, plan, t, exp.optimizer)
     abstract, step = setup.state.abstract, setup.train_step
     abstract_batch = setup.abstract_batch(t.global_batch, t.seq_len)
+    audit = audit_sharding(setup.state.abstract["params"], name="params")
+    if max_replicated is not None:
+        check_sufficiently_sharded(audit, max_replicated)
     t0 = time.perf_counter()
     compiled = step.lower(abstract, abstract_batch).compile()
-    out = {"compile_s": time.perf_counter() - t0}
+    out = {"compile_s": time.perf_counter() - t0, "params_replicated_gb": audit.replicated_bytes_per_device / 2**30,
+           "sharding_audit": audit.summary()}
     mem = compiled.memory_analysis()
     if mem is not None:
         for name in ("argument", "output", "temp", "generated_code"):
@@ -126,7 +134,7 @@ def format_row(name: str, r: dict) -> str:
     fields += [f"args {r.get('argument_gb', 0):.3f} GB", f"out {r.get('output_gb', 0):.3f} GB",
                f"temp {r.get('temp_gb', 0):.3f} GB", f"compile {r['compile_s']:.1f}s"]
     return " | ".join(fields) + (f"\n{'':<34}   collectives per step {total / 2**30:.2f} GiB: {coll_text}"
-                                 if coll_text else "")
+                                 if coll_text else "") + (f"\n{'':<34}   {r['sharding_audit']}" if "sharding_audit" in r else "")
 
 
 def json_record(spec: str, exp, plan, r: dict | None, error: str | None = None) -> dict:
@@ -142,7 +150,7 @@ def json_record(spec: str, exp, plan, r: dict | None, error: str | None = None) 
     if error is not None:
         record["error"] = error
     else:
-        record.update({k: v for k, v in r.items() if k not in ("collectives", "executed")})
+        record.update({k: v for k, v in r.items() if k not in ("collectives", "executed", "sharding_audit")})
         record["collective_bytes"] = sum(v["bytes"] for v in r.get("executed", {}).values())
     return record
 
@@ -156,6 +164,8 @@ def main(argv=None) -> int:
                         help="e.g. data=8,tensor=2,rules=fsdp (repeatable; default: the config's mesh)")
     parser.add_argument("--compile_only", action="store_true")
     parser.add_argument("--steps", type=int, default=5, help="timed steps after two warm-up steps")
+    parser.add_argument("--max_replicated", type=float, default=None,
+                        help="fail a layout whose replicated parameter bytes exceed this fraction per device")
     args = parser.parse_args(argv)
     if args.what == "collectives":
         return _collectives(args)
@@ -192,7 +202,8 @@ def main(argv=None) -> int:
         name, exp, plan = spec or "config", base, None
         try:
             exp, plan = apply_layout(base, spec)
-            result = bench_layout(exp, plan, steps=args.steps, compile_only=args.compile_only)
+            result = bench_layout(exp, plan, steps=args.steps, compile_only=args.compile_only,
+                                  max_replicated=args.max_replicated)
             print(format_row(name, result), flush=True)
             record(name, exp, plan, result)
         except ValueError as e:
