@@ -54,7 +54,7 @@ def main() -> int:
                                       if name in ("gin", "grain") else ""))
     import jax
 
-    from jaxtrain.flops import peak_flops
+    from jaxtrain.observe.flops import peak_flops
 
     devices = jax.devices()
     kind = devices[0].device_kind
@@ -67,7 +67,7 @@ def main() -> int:
     if env["backend"] != args.expect:
         env["problems"].append(f"backend is {env['backend']!r}, expected {args.expect!r}")
     if args.expect == "gpu" and env["peak_bf16_flops"] is None:
-        env["problems"].append(f"no peak FLOP/s for {kind!r} in jaxtrain/flops.py: MFU will be n/a")
+        env["problems"].append(f"no peak FLOP/s for {kind!r} in jaxtrain/observe/flops.py: MFU will be n/a")
     with open(args.out, "w") as f:
         json.dump(env, f, indent=1)
     peak = f"{env['peak_bf16_flops'] / 1e12:.0f} TFLOP/s" if env["peak_bf16_flops"] else "unknown"

@@ -13,7 +13,7 @@ A batch is a dict of [global_batch, seq_len] arrays: `inputs` and `targets` (tok
 optionally `positions` (default 0..L-1 per row), `segment_ids` (packed documents; default one
 document per row) and `loss_mask` (default all ones). Every process passes the same whole
 global batch; each device takes its own shard of it. The run is the same machinery the
-Trainer uses (jaxtrain/train_setup.py): any ParallelPlan, pipelines included, the same
+Trainer uses (jaxtrain/training/train_setup.py): any ParallelPlan, pipelines included, the same
 numbers. The Trainer adds the data pipeline, logging, evaluation and resilience around it.
 """
 from __future__ import annotations
@@ -22,11 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain.checkpoint import Checkpointer
-from jaxtrain.config import TrainConfig
-from jaxtrain.optim import OptimizerConfig
-from jaxtrain.parallel_plan import ParallelPlan
-from jaxtrain.train_setup import TrainSetup, build_train_setup
+from jaxtrain.checkpoints.checkpointer import Checkpointer
+from jaxtrain.training.config import TrainConfig
+from jaxtrain.training.optim import OptimizerConfig
+from jaxtrain.training.parallel_plan import ParallelPlan
+from jaxtrain.training.train_setup import TrainSetup, build_train_setup
 
 
 class Run:

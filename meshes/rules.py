@@ -15,7 +15,7 @@ the axes, unless its name is declared to replicate instead (`Indivisible.REPLICA
 vocabulary; `Indivisible.REPLICATE_SINGLE`: a dimension of size 1, e.g. multi-query attention's
 one key/value head or Mamba-2's one B/C group): then it keeps the longest prefix of its axes
 that divides (often none).
-`jaxtrain/state.py` runs this for every parameter when the state's shardings are built,
+`jaxtrain/training/state.py` runs this for every parameter when the state's shardings are built,
 before anything is compiled, and names the parameter path in the error; activations are
 checked the same way when a step is traced (`constrain`).
 """
@@ -72,7 +72,7 @@ LOGICAL_NAMES: dict[str, LogicalName] = {
     "stages": _n("pipeline stages of a stage-layout stack or of the pipeline's buffers (meshes/pipeline.py)"),
     # layer stacks
     # The canonical (on-disk) layout of a pipelined run splits each stack's layers over `pipeline`
-    # only where that divides (jaxtrain/state_layouts.py): DeepSeek-V2-Lite's one dense layer and
+    # only where that divides (jaxtrain/training/state_layouts.py): DeepSeek-V2-Lite's one dense layer and
     # Nemotron-3-Nano's 23 Mamba layers on pipeline=2 stay whole there. Compute uses the stage
     # layout (`stages`), so this only sets where a save's temporary copy lives.
     "layers": _n("layer index of a scanned stack (models/layers/stack.py, pattern_stack.py)",

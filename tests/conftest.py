@@ -32,8 +32,20 @@ FAST_MODULES = {
 }
 
 
+# Tests that start several jax processes on localhost (jax.distributed, gloo collectives): whole
+# modules, or single tests by name.
+MULTIPROCESS = {"test_multihost", "test_peer_faults", "test_stops", "test_cli_across_two_processes"}
+
+
 def pytest_collection_modifyitems(config, items):
+    """Markers by module: `fast` (FAST_MODULES), `slow` (everything else: end-to-end runs,
+    full-size compiles, CLIs), `multiprocess` (MULTIPROCESS), `gpu` (the kernel tests, which
+    benchmarks/gpu_check.sh runs natively on a GPU; on CPU they run the kernels interpreted)."""
     import pytest
     for item in items:
-        if item.module.__name__.rsplit(".", 1)[-1] in FAST_MODULES:
-            item.add_marker(pytest.mark.fast)
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        item.add_marker(pytest.mark.fast if module in FAST_MODULES else pytest.mark.slow)
+        if module in MULTIPROCESS or item.originalname in MULTIPROCESS:
+            item.add_marker(pytest.mark.multiprocess)
+        if module.startswith("test_kernels_"):
+            item.add_marker(pytest.mark.gpu)

@@ -7,10 +7,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxtrain.config import TrainConfig
-from jaxtrain.optim import OptimizerConfig
-from jaxtrain.parallel_plan import ParallelPlan
-from jaxtrain.train_setup import build_train_setup
+from jaxtrain.training.config import TrainConfig
+from jaxtrain.training.optim import OptimizerConfig
+from jaxtrain.training.parallel_plan import ParallelPlan
+from jaxtrain.training.train_setup import build_train_setup
 from meshes.mesh import MeshConfig
 from models.llama import LlamaConfig
 

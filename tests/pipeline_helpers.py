@@ -9,10 +9,10 @@ import numpy as np
 from flax import nnx
 
 from helpers import TINY_OPT, assert_finite, random_packed_batch
-from jaxtrain.parallel_plan import ParallelPlan
-from jaxtrain.pipeline_config import PipelineConfig
-from jaxtrain.state import abstract_model, map_with_path
-from jaxtrain.train_setup import build_train_setup
+from jaxtrain.training.parallel_plan import ParallelPlan
+from jaxtrain.pipeline.config import PipelineConfig
+from jaxtrain.training.state import abstract_model, map_with_path
+from jaxtrain.training.train_setup import build_train_setup
 
 # Adam's first steps move every weight by about lr whatever its gradient's size, so a weight
 # whose gradient is ~0 (cancellation) turns last-ulp differences between reduction orders into

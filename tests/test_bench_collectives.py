@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxtrain import bench_collectives as bc
+from jaxtrain.cli import bench_collectives as bc
 from meshes.mesh import MeshConfig, build_mesh
 from ports import reserved_port
 
@@ -74,7 +74,7 @@ def test_bus_bandwidth_follows_nccl_tests_conventions():
 
 def _bench(args, **kw):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.Popen([sys.executable, "-m", "jaxtrain.bench", "collectives", *args], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, "-m", "jaxtrain.cli.bench", "collectives", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 

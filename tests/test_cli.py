@@ -8,7 +8,7 @@ import gin
 import numpy as np
 import pytest
 
-from jaxtrain import train
+from jaxtrain.cli import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [  # keep compiles small; the default config's own size is exercised by `make train`
@@ -21,7 +21,7 @@ TINY = [  # keep compiles small; the default config's own size is exercised by `
 def run_cli(args, env_extra=None):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "jaxtrain.train", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "jaxtrain.cli.train", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -113,7 +113,7 @@ def test_eval_cli_scores_a_raw_text_file(trained, tmp_path):
     text = tmp_path / "wiki.test.raw"
     text.write_text(" = Heading = \n\n A paragraph of text , with WikiText spacing .\n\n" * 20)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, "-m", "jaxtrain.eval", f"--workdir={workdir}", f"--data={text}",
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain.cli.eval", f"--workdir={workdir}", f"--data={text}",
                            "--stride=8"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -125,7 +125,7 @@ def test_eval_cli_scores_a_raw_text_file(trained, tmp_path):
 BUNDLED = sorted(f for f in os.listdir(os.path.join(REPO, "configs")) if f.endswith(".gin"))
 LOAD_ALL = """
 import sys, gin
-from jaxtrain.config import load_experiment, parse_gin
+from jaxtrain.training.config import load_experiment, parse_gin
 for path in sys.argv[1:]:
     gin.clear_config()
     parse_gin([path], [])

@@ -4,12 +4,12 @@ import dataclasses
 
 import pytest
 
-from jaxtrain.bench import bench_layout
-from jaxtrain.config import Experiment, TrainConfig
-from jaxtrain.data import DataConfig
-from jaxtrain.optim import OptimizerConfig
-from jaxtrain.parallel_plan import ParallelPlan
-from jaxtrain.pipeline_config import PipelineConfig
+from jaxtrain.cli.bench import bench_layout
+from jaxtrain.training.config import Experiment, TrainConfig
+from jaxtrain.data.packing import DataConfig
+from jaxtrain.training.optim import OptimizerConfig
+from jaxtrain.training.parallel_plan import ParallelPlan
+from jaxtrain.pipeline.config import PipelineConfig
 from meshes.mesh import MeshConfig
 from models.layers.mamba2 import SSMConfig
 from models.llama import LlamaConfig

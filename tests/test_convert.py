@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from hf_tiny_models import save_tiny_llama
-from jaxtrain import convert
-from jaxtrain.config import Experiment, TrainConfig
-from jaxtrain.data import DataConfig, make_train_iterator
+from jaxtrain.cli import convert
+from jaxtrain.training.config import Experiment, TrainConfig
+from jaxtrain.data.packing import DataConfig, make_train_iterator
 from jaxtrain.hf.safetensors_io import SafetensorsDir
-from jaxtrain.optim import OptimizerConfig
-from jaxtrain.trainer import Trainer
+from jaxtrain.training.optim import OptimizerConfig
+from jaxtrain.training.trainer import Trainer
 from meshes.mesh import MeshConfig
 
 SEQ_LEN, BATCH = 16, 4

@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from jaxtrain import data
-from jaxtrain.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from jaxtrain.data import packing as data
+from jaxtrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from meshes.mesh import MeshConfig, build_mesh
 
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -493,7 +493,7 @@ def test_each_process_feeds_the_rows_its_devices_hold(mesh_cfg, processes, expec
     jax.distributed numbers them; processes spread over the outermost mesh axes first."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from jaxtrain.batch_shards import process_batch_shard
+    from jaxtrain.training.batch_shards import process_batch_shard
 
     mesh = build_mesh(mesh_cfg)
     sharding = NamedSharding(mesh, PartitionSpec("data", None))

@@ -6,12 +6,12 @@ import pytest
 from flax import nnx
 
 from helpers import TINY_LLAMA
-from jaxtrain.config import TrainConfig
-from jaxtrain.eval import evaluate_stream
-from jaxtrain.optim import OptimizerConfig
-from jaxtrain.parallel_plan import ParallelPlan
-from jaxtrain.sliding_window import sliding_windows
-from jaxtrain.train_setup import build_train_setup
+from jaxtrain.training.config import TrainConfig
+from jaxtrain.cli.eval import evaluate_stream
+from jaxtrain.training.optim import OptimizerConfig
+from jaxtrain.training.parallel_plan import ParallelPlan
+from jaxtrain.data.sliding_window import sliding_windows
+from jaxtrain.training.train_setup import build_train_setup
 
 
 @pytest.mark.parametrize("n, seq_len, stride", [(50, 16, 8), (17, 16, 16), (5, 16, 4), (40, 8, 3)])

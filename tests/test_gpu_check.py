@@ -117,6 +117,6 @@ def test_summary_counts_kernel_tests_and_lists_failures(tmp_path):
 @pytest.mark.parametrize("kind,peak", [("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12),
                                        ("NVIDIA H100 PCIe", 756e12), ("cpu", None)])
 def test_peak_flops_of_the_check_gpus(kind, peak):
-    from jaxtrain.flops import peak_flops
+    from jaxtrain.observe.flops import peak_flops
 
     assert peak_flops(kind) == peak

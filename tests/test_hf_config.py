@@ -66,14 +66,14 @@ def test_round_trip_through_hf_and_transformers(cfg):
 
 
 def test_gin_rebuilds_the_config():
-    import jaxtrain.config  # noqa: F401  (registers the configurables)
+    import jaxtrain.training.config  # noqa: F401  (registers the configurables)
 
     cfg = LlamaConfig(vocab_size=97, embed=64, heads=8, kv_heads=4, head_dim=8, rope_theta=500000.0,
                       rope_scaling=Llama3Scaling(8.0, 1.0, 4.0, 64), tie_embeddings=True)
     gin.clear_config()
     try:
         gin.parse_config(model_gin(cfg, "header"))
-        assert jaxtrain.config.Experiment().model == cfg
+        assert jaxtrain.training.config.Experiment().model == cfg
     finally:
         gin.clear_config()
 

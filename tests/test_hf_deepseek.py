@@ -132,10 +132,10 @@ def test_round_trip_through_hf_config(cfg):
 
 
 def test_gin_description_rebuilds_the_config(tmp_path):
-    """What `jaxtrain.convert` writes for an imported model (YaRN and the router nested) parses back."""
+    """What `jaxtrain.cli.convert` writes for an imported model (YaRN and the router nested) parses back."""
     import gin
 
-    from jaxtrain import convert
+    from jaxtrain.cli import convert
     from jaxtrain.hf.gin_config import model_gin
 
     cfg = config_from_hf({**PUBLISHED_LITE, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2})

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jaxtrain import convert, hf
+from jaxtrain import hf
+from jaxtrain.cli import convert
 from jaxtrain.hf.errors import HFCheckpointError, HFConfigError
 from jaxtrain.hf.memory_check import write_random_hf_dir
 from models.llama import LlamaConfig

@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 from hf_tiny_models import forward, random_tokens, relative_error, save_tiny_nemotron_h
-from jaxtrain import convert, hf
+from jaxtrain import hf
+from jaxtrain.cli import convert
 from jaxtrain.hf.errors import HFConfigError
 from jaxtrain.hf.families import nemotron_h as family
 from jaxtrain.hf.safetensors_io import SafetensorsDir

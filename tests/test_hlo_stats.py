@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
-from jaxtrain.hlo_stats import collective_stats, executed_collective_stats
+from jaxtrain.observe.hlo_stats import collective_stats, executed_collective_stats
 
 
 def test_nested_loops_multiply_collective_counts_and_bytes():

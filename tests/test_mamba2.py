@@ -138,7 +138,7 @@ def test_mixer_does_not_leak_across_packed_documents():
 
 
 def _param_shardings(cfg, tensor: int):
-    from jaxtrain.state import abstract_model, param_shardings
+    from jaxtrain.training.state import abstract_model, param_shardings
     from meshes.mesh import MeshConfig, build_mesh
     from meshes.rules import get_rule_set
 

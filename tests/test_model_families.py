@@ -7,7 +7,7 @@ import jax
 import pytest
 from flax import nnx
 
-import jaxtrain.config  # noqa: F401  (registers the layer configurables with gin)
+import jaxtrain.training.config  # noqa: F401  (registers the layer configurables with gin)
 from models.family import _FAMILIES, ModelConfig, families, family_of, model_family
 from models.llama import LlamaConfig, build_llama
 

@@ -13,9 +13,9 @@ import gin
 import numpy as np
 import pytest
 
-from jaxtrain.config import load_experiment, parse_gin
-from jaxtrain.launch import DEFAULT_GIN
-from jaxtrain.trainer import Trainer
+from jaxtrain.training.config import load_experiment, parse_gin
+from jaxtrain.cli.launch import DEFAULT_GIN
+from jaxtrain.training.trainer import Trainer
 from ports import reserved_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +46,7 @@ def test_two_processes_match_one(tmp_path, layout, single_process):
     env["JAX_PLATFORMS"] = "cpu"
     with reserved_port() as port:  # held until the coordinator has come and gone
         procs = [subprocess.Popen(
-            [sys.executable, "-m", "jaxtrain.train", f"--workdir={tmp_path / 'multi'}",
+            [sys.executable, "-m", "jaxtrain.cli.train", f"--workdir={tmp_path / 'multi'}",
              *[f"--gin_param={b}" for b in bindings], f"--coordinator_address=localhost:{port}",
              "--num_processes=2", f"--process_id={i}"],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]

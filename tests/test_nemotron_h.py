@@ -111,7 +111,7 @@ def test_param_count_matches_the_built_model():
 def test_layout_errors_name_the_field(change, tensor, message):
     import dataclasses
 
-    from jaxtrain.state import abstract_model, param_shardings
+    from jaxtrain.training.state import abstract_model, param_shardings
     from meshes.mesh import build_mesh
     from meshes.rules import get_rule_set
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from helpers import TINY_LLAMA, TINY_OPT, assert_trees_close, initial_params, train_losses
-from jaxtrain.checkpoint import Checkpointer
-from jaxtrain.optim import make_optimizer
-from jaxtrain.state import init_state, state_shardings
+from jaxtrain.checkpoints.checkpointer import Checkpointer
+from jaxtrain.training.optim import make_optimizer
+from jaxtrain.training.state import init_state, state_shardings
 from meshes.mesh import MeshConfig, build_mesh
 from meshes.rules import get_rule_set
 

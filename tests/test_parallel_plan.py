@@ -3,9 +3,9 @@ import dataclasses
 
 import pytest
 
-from jaxtrain.config import Experiment, TrainConfig
-from jaxtrain.parallel_plan import ParallelPlan
-from jaxtrain.pipeline_config import PipelineConfig
+from jaxtrain.training.config import Experiment, TrainConfig
+from jaxtrain.training.parallel_plan import ParallelPlan
+from jaxtrain.pipeline.config import PipelineConfig
 from meshes.context_layout import AllGatherKV, Contiguous
 from meshes.mesh_config import MeshConfig, spec_axis_sizes
 from meshes.pipeline_schedules import GPipe, Interleaved

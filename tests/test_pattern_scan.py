@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 
 from helpers import TINY_OPT, TINY_TRAIN, assert_trees_close, initial_params, random_packed_batch, train_losses
-from jaxtrain.optim import make_optimizer
-from jaxtrain.state import state_shardings
-from jaxtrain.step import AccumulatedGradients, batch_shardings
+from jaxtrain.training.optim import make_optimizer
+from jaxtrain.training.state import state_shardings
+from jaxtrain.training.step import AccumulatedGradients, batch_shardings
 from meshes.mesh import MeshConfig, build_mesh
 from meshes.rules import get_rule_set, use_rules
 from models.layers.pattern_stack import PatternStack

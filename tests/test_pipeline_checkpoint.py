@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from helpers import TINY_LLAMA, assert_finite, assert_trees_close
-from jaxtrain.config import Experiment, TrainConfig
-from jaxtrain.data import DataConfig
-from jaxtrain.pipeline_config import PipelineConfig
-from jaxtrain.trainer import Trainer
+from jaxtrain.training.config import Experiment, TrainConfig
+from jaxtrain.data.packing import DataConfig
+from jaxtrain.pipeline.config import PipelineConfig
+from jaxtrain.training.trainer import Trainer
 from meshes.mesh import MeshConfig
 from meshes.pipeline_schedules import GPipe, Interleaved
 from pipeline_helpers import PIPELINE_OPT

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import assert_trees_close, with_train
-from jaxtrain.pipeline_config import PipelineConfig
+from jaxtrain.pipeline.config import PipelineConfig
 from meshes.mesh import MeshConfig
 from meshes.pipeline_schedules import Interleaved
 from pipeline_helpers import initial_params, run_steps

@@ -5,10 +5,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxtrain.config import Experiment, TrainConfig
-from jaxtrain.data import DataConfig
-from jaxtrain.pipeline_config import PipelineConfig
-from jaxtrain.trainer import Trainer
+from jaxtrain.training.config import Experiment, TrainConfig
+from jaxtrain.data.packing import DataConfig
+from jaxtrain.pipeline.config import PipelineConfig
+from jaxtrain.training.trainer import Trainer
 from helpers import TINY_LLAMA_BYTES, TINY_OPT
 from meshes.mesh import MeshConfig
 from meshes.pipeline_schedules import GPipe, Interleaved
@@ -106,7 +106,7 @@ def test_reference_pipeline_configs_plan_their_stages(gin_file, counts):
     split by cost over 2 stages."""
     import gin
 
-    from jaxtrain.config import load_experiment, parse_gin
+    from jaxtrain.training.config import load_experiment, parse_gin
     from meshes.experts import resolve_layout
     from meshes.mesh import build_mesh
     from meshes.rules import get_rule_set

@@ -27,9 +27,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain.checkpoint import Checkpointer
-from jaxtrain.config import load_experiment, parse_gin
-from jaxtrain.trainer import Trainer
+from jaxtrain.checkpoints.checkpointer import Checkpointer
+from jaxtrain.training.config import load_experiment, parse_gin
+from jaxtrain.training.trainer import Trainer
 from meshes.mesh import MeshConfig
 from pipeline_helpers import PIPELINE_OPT, initial_params
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from helpers import TINY_LLAMA_BYTES, TINY_OPT, assert_finite, assert_trees_close
-from jaxtrain.config import Experiment, TrainConfig
-from jaxtrain.data import DataConfig
-from jaxtrain.tokenizer import ByteTokenizer
-from jaxtrain.trainer import Trainer
+from jaxtrain.training.config import Experiment, TrainConfig
+from jaxtrain.data.packing import DataConfig
+from jaxtrain.data.tokenizer import ByteTokenizer
+from jaxtrain.training.trainer import Trainer
 from meshes.mesh import MeshConfig
 
 

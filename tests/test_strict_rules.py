@@ -13,8 +13,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.optim import OptimizerConfig, make_optimizer
-from jaxtrain.state import abstract_model, param_shardings, state_shardings
+from jaxtrain.training.optim import OptimizerConfig, make_optimizer
+from jaxtrain.training.state import abstract_model, param_shardings, state_shardings
 from meshes.mesh import MeshConfig, build_mesh
 from meshes.rules import (LOGICAL_NAMES, OVERLAYS, RULE_SETS, SET_OVERLAYS, Indivisible, RuleTable, ShardingRuleError,
                           constrain, get_rule_set, spec_for, use_rules)
@@ -104,7 +104,7 @@ def test_vocab_and_layers_replicate_when_indivisible(mesh):
     assert spec_for(("vocab", "embed"), (96, 32), dp.params, mesh) == P("tensor", None)
     # The longest dividing prefix of the axes is kept: 2 x 49 splits over data, not data x tensor.
     assert spec_for(("vocab",), (98,), {"vocab": ("data", "tensor")}, mesh) == P("data")
-    # A canonical stack of 23 layers on pipeline=2 stays whole (jaxtrain/state_layouts.py).
+    # A canonical stack of 23 layers on pipeline=2 stays whole (jaxtrain/training/state_layouts.py).
     pipe = build_mesh(MeshConfig(pipeline=2, data=8))
     assert spec_for(("layers", "embed"), (23, 32), {"layers": ("pipeline",)}, pipe) == P(None, None)
     assert spec_for(("layers", "embed"), (26, 32), {"layers": ("pipeline",)}, pipe) == P("pipeline", None)

@@ -5,7 +5,7 @@ Orbax saves a tree of arrays that already exist. For conversion the leaves are i
 `StreamedArray`s: a private type handler opens the same TensorStore array Orbax would and
 writes it block by block as the blocks are produced, one block per storage chunk. The result
 is an ordinary params-only checkpoint (Orbax still writes the metadata and commits the step
-atomically): jaxtrain.checkpoint.Checkpointer restores it onto any mesh. Reading for export
+atomically): jaxtrain.checkpoints.checkpointer.Checkpointer restores it onto any mesh. Reading for export
 is the reverse: a handler returns the opened TensorStore arrays instead of their contents,
 and regions are read when asked for.
 
@@ -23,7 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-from jaxtrain.checkpoint import CONVERTED, MANIFEST_KEY
+from jaxtrain.checkpoints.checkpointer import CONVERTED, MANIFEST_KEY
 from jaxtrain.hf.errors import HFCheckpointError
 
 Blocks = Callable[[], Iterable[tuple[tuple[slice, ...], np.ndarray]]]
@@ -79,7 +79,7 @@ def save_streamed_params(checkpoint_dir: str, step: int, params) -> None:
     manager = ocp.CheckpointManager(os.path.abspath(checkpoint_dir), options=options,
                                     item_handlers={"params": ocp.PyTreeCheckpointHandler(type_handler_registry=registry)})
     try:
-        # The manifest marks it parameters-only on purpose (jaxtrain/checkpoint.py); its arrays are
+        # The manifest marks it parameters-only on purpose (jaxtrain/checkpoints/checkpointer.py); its arrays are
         # streamed, so it carries no fingerprints.
         manifest = {MANIFEST_KEY: {"kind": CONVERTED, "items": ["params"]}}
         manager.save(step, args=ocp.args.Composite(params=ocp.args.PyTreeSave(params)), force=True,

@@ -15,7 +15,7 @@ from jaxtrain.hf.mapping import Family
 from jaxtrain.hf.registry import family_for_model_type
 from jaxtrain.hf.safetensors_io import SafetensorsDir
 from jaxtrain.hf.trees import flatten, unflatten
-from jaxtrain.state import abstract_model, param_shardings
+from jaxtrain.training.state import abstract_model, param_shardings
 from meshes.rules import get_rule_set
 
 

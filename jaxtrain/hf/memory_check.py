@@ -4,7 +4,7 @@
 
 Writes a random-weight Llama HF directory of about 300M float32 parameters (1.2 GB) one
 tensor at a time, converts it to a jaxtrain checkpoint and back with `python -m
-jaxtrain.convert` in fresh processes, prints each one's peak RSS against the model size,
+jaxtrain.cli.convert` in fresh processes, prints each one's peak RSS against the model size,
 and checks that the round trip returns every tensor byte for byte.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ def write_random_hf_dir(config, directory: str, seed: int = 0, max_shard_bytes: 
 
 
 def run_convert(args: list[str]) -> float:
-    out = subprocess.run([sys.executable, "-m", "jaxtrain.convert", *args], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "jaxtrain.cli.convert", *args], capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"convert {args} failed:\n{out.stderr}")
     return float(re.search(r"max RSS\): (\d+) MiB", out.stdout).group(1))

@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxtrain.hf.mapping import STACK_AXES, Family, TensorMap
 from jaxtrain.hf.rearrange import Rearrange, parse
-from jaxtrain.state import abstract_model
+from jaxtrain.training.state import abstract_model
 from models.layers.params import logical_axes
 
 # The most of one tensor converted at once. Small blocks keep the host-memory peak of a

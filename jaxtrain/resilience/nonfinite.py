@@ -1,6 +1,6 @@
 """What the loop does when a step's loss, gradient norm or updated parameters are not finite.
 
-The step itself never applies such an update (jaxtrain/step.py keeps the previous params and
+The step itself never applies such an update (jaxtrain/training/step.py keeps the previous params and
 optimizer state on device and reports `nonfinite`), so the state in memory, and every
 checkpoint written from it, stays finite whatever the policy. The host learns of it one step
 late, with the metrics, and asks the policy (`TrainConfig.nonfinite`):

@@ -20,7 +20,7 @@ jax's own mechanism (`multihost_utils.reached_preemption_sync_point`) does work 
 notifier is a C++ SIGTERM handler installed at `jax.distributed.initialize`: a Python SIGTERM
 handler replaces it (then the sync point is never reached), it knows no SIGINT, counts calls
 rather than steps and does nothing with one process. The CLI therefore turns it off
-(jaxtrain/launch.py) and this module handles both signals in every case.
+(jaxtrain/cli/launch.py) and this module handles both signals in every case.
 """
 from __future__ import annotations
 

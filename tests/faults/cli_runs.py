@@ -34,8 +34,8 @@ def train_args(workdir, *bindings) -> list[str]:
 def train(workdir, *bindings, wrapper: str | None = None, fault_env: dict | None = None,
           timeout: float = 300) -> subprocess.CompletedProcess:
     """Runs the train CLI to completion; `wrapper`: a script in tests/faults/ that patches jaxtrain
-    (from the FAULT_* variables in `fault_env`) and then calls jaxtrain.train.main."""
-    entry = [str(pathlib.Path(__file__).parent / wrapper)] if wrapper else ["-m", "jaxtrain.train"]
+    (from the FAULT_* variables in `fault_env`) and then calls jaxtrain.cli.train.main."""
+    entry = [str(pathlib.Path(__file__).parent / wrapper)] if wrapper else ["-m", "jaxtrain.cli.train"]
     return subprocess.run([sys.executable, *entry, *train_args(workdir, *bindings)], cwd=REPO,
                           env={**env(), **(fault_env or {})}, capture_output=True, text=True, timeout=timeout)
 

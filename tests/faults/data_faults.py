@@ -8,7 +8,7 @@
 import os
 import sys
 
-from jaxtrain import data, train
+from jaxtrain.data.packing import packing, train
 
 
 def _patch() -> None:

@@ -22,7 +22,7 @@ class Live:
     """One CLI process; its stdout and stderr lines are collected as they come."""
 
     def __init__(self, args: list[str], fault_env: dict | None = None, wrapper: str | None = "peer_faults.py"):
-        entry = [str(HERE / wrapper)] if wrapper else ["-m", "jaxtrain.train"]
+        entry = [str(HERE / wrapper)] if wrapper else ["-m", "jaxtrain.cli.train"]
         self.started = time.monotonic()
         self.popen = subprocess.Popen([sys.executable, *entry, *args], cwd=REPO, env={**env(), **(fault_env or {})},
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

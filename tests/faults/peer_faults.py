@@ -10,7 +10,9 @@ import os
 import sys
 import time
 
-from jaxtrain import checkpoint, train, trainer
+from jaxtrain.checkpoints import checkpointer as checkpoint
+from jaxtrain.cli import train
+from jaxtrain.training import trainer
 
 
 def _this_process(argv) -> bool:

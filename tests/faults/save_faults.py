@@ -13,7 +13,8 @@ import sys
 import threading
 import time
 
-from jaxtrain import checkpoint, train
+from jaxtrain.checkpoints import checkpointer as checkpoint
+from jaxtrain.cli import train
 
 
 def _kill():

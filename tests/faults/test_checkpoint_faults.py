@@ -128,7 +128,7 @@ def test_resume_with_another_model_shape_is_refused_before_the_workdir_changes(r
 
 def test_second_trainer_on_the_same_workdir_is_refused(tmp_path):
     workdir = tmp_path / "run"
-    first = subprocess.Popen([sys.executable, "-m", "jaxtrain.train",
+    first = subprocess.Popen([sys.executable, "-m", "jaxtrain.cli.train",
                               *train_args(workdir, "TrainConfig.steps=400", "TrainConfig.checkpoint_every=0")],
                              cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -155,10 +155,10 @@ def test_a_parameters_only_save_restores_without_optimizer_or_data(tmp_path):
     import jax
 
     from helpers import TINY_LLAMA_BYTES, TINY_OPT
-    from jaxtrain.checkpoint import Checkpointer
-    from jaxtrain.data import DataConfig, make_train_iterator
-    from jaxtrain.optim import make_optimizer
-    from jaxtrain.state import init_state, state_shardings
+    from jaxtrain.checkpoints.checkpointer import Checkpointer
+    from jaxtrain.data.packing import DataConfig, make_train_iterator
+    from jaxtrain.training.optim import make_optimizer
+    from jaxtrain.training.state import init_state, state_shardings
     from meshes.mesh import MeshConfig, build_mesh
     from meshes.rules import get_rule_set
 

@@ -15,8 +15,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ports import reserved_port  # noqa: E402  (tests/ports.py)
 
-from jaxtrain import launch  # noqa: E402
-from jaxtrain.config import TrainConfig  # noqa: E402
+from jaxtrain.cli import launch  # noqa: E402
+from jaxtrain.training.config import TrainConfig  # noqa: E402
 from jaxtrain.resilience import exit_codes  # noqa: E402
 from jaxtrain.resilience.peers import Peers  # noqa: E402
 from jaxtrain.resilience.preemption import StopSignals  # noqa: E402

@@ -3,7 +3,7 @@ when a step is not finite, a signal arrives, a save fails or a peer goes away.
 
 Metrics of step n are fetched while step n+1 runs, so the host never stalls the device queue;
 the price is that the host learns of a non-finite step one step late. That is safe because the
-step never applies a non-finite update (jaxtrain/step.py): step n+1 ran on good state. At a
+step never applies a non-finite update (jaxtrain/training/step.py): step n+1 ran on good state. At a
 checkpoint step the loop settles the step's metrics first, so a save always knows its state is
 finite (a sync the save needs anyway).
 """
@@ -13,10 +13,10 @@ import time
 
 import jax
 
-from jaxtrain.checkpoint import CheckpointSaveError
-from jaxtrain.flops import model_flops_utilization
-from jaxtrain.metrics import MetricsWriter, device_memory
-from jaxtrain.profiling import StepProfiler
+from jaxtrain.checkpoints.checkpointer import CheckpointSaveError
+from jaxtrain.observe.flops import model_flops_utilization
+from jaxtrain.observe.metrics import MetricsWriter, device_memory
+from jaxtrain.observe.profiling import StepProfiler
 from jaxtrain.resilience import exit_codes
 from jaxtrain.resilience.exit_codes import RunStopped
 from jaxtrain.resilience.nonfinite import HALT, ROLLBACK, NonFiniteTracker

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxtrain.pipeline_config import PipelineConfig
+from jaxtrain.pipeline.config import PipelineConfig
 from meshes.context_layout import AllGatherKV, ContextParallel, Contiguous, LoadBalanced, RingKV
 from meshes.mesh_config import AXES, MeshConfig
 from meshes.pipeline_schedules import SCHEDULES, GPipe

@@ -250,7 +250,7 @@ def main(args, fail) -> int:
 
     import jax
 
-    from jaxtrain.config import load_experiment
+    from jaxtrain.training.config import load_experiment
     from meshes.mesh import build_mesh, describe
     from meshes.mesh_config import MeshConfig
 

@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain.optim import OptimizerConfig, make_optimizer
-from jaxtrain.parallel_plan import ParallelPlan
-from jaxtrain.pipeline_step import PipelinedGradients
-from jaxtrain.state_layouts import CanonicalState, StagedState
-from jaxtrain.step import BATCH_KEYS, AccumulatedGradients, batch_shardings, make_eval_step, make_train_step
+from jaxtrain.pipeline import PipelinedGradients, StagedState, build_pipeline
+from jaxtrain.training.optim import OptimizerConfig, make_optimizer
+from jaxtrain.training.parallel_plan import ParallelPlan
+from jaxtrain.training.state_layouts import CanonicalState
+from jaxtrain.training.step import BATCH_KEYS, AccumulatedGradients, batch_shardings, make_eval_step, make_train_step
 from meshes.mesh import build_mesh
 from meshes.rules import RuleSet
 
@@ -63,20 +63,12 @@ def build_train_setup(model_cfg, plan: ParallelPlan, train, optimizer: Optimizer
                   platform=mesh.devices.flat[0].platform)
     rules = plan.rule_set()
     tx, lr_schedule = make_optimizer(optimizer, train.steps)
-    stages = mesh.shape["pipeline"]
-    kw = dict(microbatches=plan.microbatches, loss_chunk=train.loss_chunk, z_loss=train.z_loss)
-    if stages > 1:
-        pipeline = plan.pipeline
-        state = StagedState(model_cfg, tx, mesh, rules, pipeline.plan(model_cfg, stages))
-        gradients = PipelinedGradients(state.graphdef, state.layout, pipeline.schedule, remat=pipeline.remat, **kw)
-        stage_plan = state.layout.plan
-        padding = {"/".join(k[1:]): p for k, p in stage_plan.padding().items() if any(p)}
-        summary = (f"pipeline {type(pipeline.schedule).__name__}, {stages} stages x {stage_plan.repeats} passes, "
-                   f"{plan.microbatches} microbatches (bubble {gradients.bubble:.3f}), layers per chunk "
-                   f"{stage_plan.counts}, padded slots per stage {padding or 'none'}")
+    if mesh.shape["pipeline"] > 1:
+        state, gradients, summary = build_pipeline(model_cfg, plan, tx, mesh, rules, train)
     else:
         state = CanonicalState(model_cfg, tx, mesh, rules)
-        gradients = AccumulatedGradients(state.graphdef, **kw)
+        gradients = AccumulatedGradients(state.graphdef, microbatches=plan.microbatches, loss_chunk=train.loss_chunk,
+                                         z_loss=train.z_loss)
         summary = ""
     bsh = batch_shardings(mesh, rules, train.global_batch, train.seq_len)
     cp = plan.context_parallel

@@ -9,7 +9,7 @@ it is written under a temporary name and renamed once every file is there, so a 
 leaves a half-written step that looks complete.
 
 Each step also carries a manifest in Orbax's step metadata (written in the same atomic commit):
-the items saved, a layout-independent fingerprint of every array (jaxtrain/fingerprint.py),
+the items saved, a layout-independent fingerprint of every array (jaxtrain/checkpoints/fingerprint.py),
 the data iterator's state and whatever the trainer adds (the batches it skipped). `restore`
 checks the step against it: an array whose fingerprint differs (a flipped bit, a truncated
 file) or unreadable metadata is a `CorruptCheckpoint` naming the step and what is wrong; an
@@ -35,12 +35,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxtrain.fingerprint import leaf_path, tree_fingerprints
+from jaxtrain.checkpoints.fingerprint import leaf_path, tree_fingerprints
 
 STATE_ITEMS = ("params", "opt_state")
 ALL_ITEMS = STATE_ITEMS + ("data",)
 MANIFEST_KEY = "jaxtrain"
-CONVERTED = "converted"  # manifest `kind` of a parameters-only checkpoint (jaxtrain.convert, a params-only save)
+CONVERTED = "converted"  # manifest `kind` of a parameters-only checkpoint (jaxtrain.cli.convert, a params-only save)
 
 
 class CheckpointError(Exception):
@@ -195,7 +195,7 @@ class Checkpointer:
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
             if other_layout:
-                # Our iterators' state is the number of global batches taken (jaxtrain/data.py), the
+                # Our iterators' state is the number of global batches taken (jaxtrain/data/packing.py), the
                 # same in every process's file, so any process's file positions this process's shard.
                 with open(os.path.join(data_dir, other_layout[0])) as f:
                     data_iterator.set_state(json.load(f))

@@ -7,12 +7,12 @@ from typing import Any
 
 import gin
 
-from jaxtrain.config_types import check_config_types
-from jaxtrain.data import REPO_ROOT, DataConfig
-from jaxtrain.mesh_configurable import GinMeshConfig
-from jaxtrain.optim import OptimizerConfig
-from jaxtrain.parallel_plan import ParallelPlan
-from jaxtrain.pipeline_config import PipelineConfig
+from jaxtrain.training.config_types import check_config_types
+from jaxtrain.data.packing import REPO_ROOT, DataConfig
+from jaxtrain.training.mesh_configurable import GinMeshConfig
+from jaxtrain.training.optim import OptimizerConfig
+from jaxtrain.training.parallel_plan import ParallelPlan
+from jaxtrain.pipeline.config import PipelineConfig
 from jaxtrain.resilience.nonfinite import Halt, Rollback, Skip
 from meshes.context_layout import AllGatherKV, ContextParallel, Contiguous, LoadBalanced, RingKV
 from meshes.mesh_config import MeshConfig
@@ -42,7 +42,7 @@ class TrainConfig:
     global_batch: int = 8
     seq_len: int = 128
     # The layout fields (rules, microbatches, context_parallel) are read through the run's
-    # ParallelPlan (jaxtrain/parallel_plan.py), with MeshConfig and Experiment.pipeline.
+    # ParallelPlan (jaxtrain/training/parallel_plan.py), with MeshConfig and Experiment.pipeline.
     microbatches: int = 1  # gradient accumulation steps per optimizer step
     seed: int = 0
     rules: str = "dp"  # rule table in meshes/rules.py: dp | zero1 | fsdp | dp_sp | fsdp_sp
@@ -71,7 +71,7 @@ class TrainConfig:
     # lacking an item the run needs is otherwise an error.
     reset_on_resume: tuple[str, ...] = ()
     strict_restore: bool = False  # a corrupt newest checkpoint is an error, not a fallback
-    # (start, stop): a jax.profiler trace of steps start..stop into <workdir>/profile (jaxtrain/profiling.py)
+    # (start, stop): a jax.profiler trace of steps start..stop into <workdir>/profile (jaxtrain/observe/profiling.py)
     profile_steps: tuple[int, int] | None = None
 
     def validate(self) -> None:
@@ -102,7 +102,7 @@ class Experiment:
     data: DataConfig | None = None
     optimizer: OptimizerConfig | None = None
     pipeline: PipelineConfig | None = None  # used when MeshConfig.pipeline > 1
-    # A ParallelPlan spec string applied over the fields above (jaxtrain/parallel_plan.py), e.g.
+    # A ParallelPlan spec string applied over the fields above (jaxtrain/training/parallel_plan.py), e.g.
     # "pipeline=2,data=2,context=2,tensor=2,rules=fsdp,split=14/13,microbatches=4".
     layout: str | None = None
 

@@ -1,13 +1,10 @@
-"""How the train state is laid out in memory, and how it maps to the canonical on-disk tree.
+"""The train state of a pipelined run: layer stacks regrouped into pipeline stages
+(jaxtrain/pipeline/layout.py), each stage's layers and optimizer state only on its pipeline
+group. Same interface as training/state_layouts.CanonicalState.
 
-One strategy per layout, same interface:
-
-- CanonicalState: in memory as on disk (no pipeline).
-- StagedState: layer stacks regrouped into pipeline stages (jaxtrain/pipeline_layout.py), each
-  stage's layers and optimizer state only on its pipeline group. Checkpoints stay canonical:
-  `to_disk` regroups before a save, `from_disk` after a restore, both jitted into the target
-  shardings. On disk (and briefly around a save/restore) stacks are laid out canonically with
-  their `layers` dimension split over `pipeline` where it divides.
+Checkpoints stay canonical: `to_disk` regroups before a save, `from_disk` after a restore,
+both jitted into the target shardings. On disk (and briefly around a save/restore) stacks are
+laid out canonically with their `layers` dimension split over `pipeline` where it divides.
 """
 from __future__ import annotations
 
@@ -16,29 +13,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxtrain.checkpoint import STATE_ITEMS
-from jaxtrain.pipeline_layout import PipelineLayout
-from jaxtrain.state import (abstract_model, count_params, in_memory, init_state, optimizer_shardings,
-                            param_shardings, shardings_by_path, state_shardings, with_shardings)
+from jaxtrain.checkpoints.checkpointer import STATE_ITEMS
+from jaxtrain.pipeline.layout import PipelineLayout
+from jaxtrain.training.state import (abstract_model, count_params, in_memory, init_state, optimizer_shardings,
+                                     param_shardings, shardings_by_path, with_shardings)
 from meshes.pipeline_split import StagePlan
 from meshes.rules import RuleSet, RuleTable, table_name
-
-
-class CanonicalState:
-    def __init__(self, model_cfg, tx, mesh, rules: RuleSet):
-        self.model_cfg, self.tx = model_cfg, tx
-        self.graphdef, self.abstract, self.shardings = state_shardings(model_cfg, tx, mesh, rules)
-        self.disk_abstract = self.abstract
-        self.num_params = count_params(self.abstract["params"])
-
-    def init(self, seed: int) -> dict:
-        return init_state(self.model_cfg, self.tx, self.shardings, seed)
-
-    def from_disk(self, state: dict) -> dict:
-        return state
-
-    def to_disk(self, state: dict) -> dict:
-        return state
 
 
 class StagedState:

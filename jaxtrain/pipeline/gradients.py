@@ -3,7 +3,7 @@
 Same interface as `step.AccumulatedGradients`, and the same numbers: the microbatches are the
 same rows, each MoE layer's statistics and aux loss are per microbatch, and the loss is
 summed over all tokens, so a pipelined step equals an unpipelined one with as many
-microbatches. Parameters arrive in the stage layout (jaxtrain/pipeline_layout.py).
+microbatches. Parameters arrive in the stage layout (jaxtrain/pipeline/layout.py).
 
 The model's own pieces (CausalLM.embed_inputs, its stacks' layers, CausalLM.head_sums) and the
 one loss formula (step.training_loss), so a pipelined step computes what the model defines:
@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtrain.pipeline_layout import PipelineLayout
-from jaxtrain.step import split_microbatches, training_loss
+from jaxtrain.pipeline.layout import PipelineLayout
+from jaxtrain.training.step import split_microbatches, training_loss
 from meshes.context_layout import to_device_order
 from meshes.pipeline import run_pipeline
 from meshes.rules import constrain

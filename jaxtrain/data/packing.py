@@ -30,9 +30,9 @@ from typing import Sequence
 import grain
 import numpy as np
 
-from jaxtrain.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from jaxtrain.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]  # jaxtrain/data/ -> the repo
 _DOC_ORDER_STREAM = 0  # separate seeded random streams for the document and window orders
 _WINDOW_ORDER_STREAM = 1
 _BLANK_LINES = re.compile(r"\n\s*\n")

@@ -55,7 +55,7 @@ def split_microbatches(batch, microbatches: int):
 class AccumulatedGradients:
     """The whole batch's gradient with its microbatches run one after another and summed
     (gradient accumulation); one microbatch runs the batch at once. The pipelined counterpart,
-    with the same interface, is jaxtrain/pipeline_step.py."""
+    with the same interface, is jaxtrain/pipeline/gradients.py."""
 
     def __init__(self, graphdef, *, microbatches: int, loss_chunk: int, z_loss: float):
         self.graphdef, self.microbatches = graphdef, microbatches

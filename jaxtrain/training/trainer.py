@@ -2,7 +2,7 @@
 
 Everything that can be checked without compiling (mesh vs devices, model vs mesh, batch vs
 data-parallel size, data files) is checked in the constructor, before the workdir is touched:
-the run's parts come from the one assembly function (jaxtrain/train_setup.py).
+the run's parts come from the one assembly function (jaxtrain/training/train_setup.py).
 """
 from __future__ import annotations
 
@@ -13,20 +13,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain.batch_shards import process_batch_shard
-from jaxtrain.checkpoint import ALL_ITEMS, CheckpointError, Checkpointer
-from jaxtrain.config import Experiment
-from jaxtrain.config_types import check_config_types
-from jaxtrain.data import make_eval_batches, make_train_iterator
-from jaxtrain.fingerprint import leaf_path
-from jaxtrain.flops import peak_flops
-from jaxtrain.parallel_plan import ParallelPlan
+from jaxtrain.training.batch_shards import process_batch_shard
+from jaxtrain.checkpoints.checkpointer import ALL_ITEMS, CheckpointError, Checkpointer
+from jaxtrain.training.config import Experiment
+from jaxtrain.training.config_types import check_config_types
+from jaxtrain.data.packing import make_eval_batches, make_train_iterator
+from jaxtrain.checkpoints.fingerprint import leaf_path
+from jaxtrain.observe.flops import peak_flops
+from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.resilience import exit_codes
 from jaxtrain.resilience.exit_codes import RunStopped
 from jaxtrain.resilience.peers import Peers
-from jaxtrain.tokenizer import load_tokenizer
-from jaxtrain.train_setup import build_train_setup
-from jaxtrain.workdir import WorkdirLock, check_same_model
+from jaxtrain.data.tokenizer import load_tokenizer
+from jaxtrain.training.train_setup import build_train_setup
+from jaxtrain.training.workdir import WorkdirLock, check_same_model
 
 
 def check_vocabulary(exp: Experiment) -> None:
@@ -128,7 +128,7 @@ class Trainer:
     def run(self, stop_after: int | None = None) -> list[dict]:
         """Trains to TrainConfig.steps (or stops after `stop_after`, saving); returns the train
         metrics rows. Raises RunStopped (with an exit code) when the run cannot go on."""
-        from jaxtrain.train_loop import TrainLoop
+        from jaxtrain.training.train_loop import TrainLoop
 
         t = self.exp.train
         is_main = jax.process_index() == 0

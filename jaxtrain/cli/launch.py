@@ -14,7 +14,8 @@ import socket
 import sys
 import threading
 
-DEFAULT_GIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.gin")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # jaxtrain/cli/ -> repo
+DEFAULT_GIN = os.path.join(REPO_ROOT, "configs", "default.gin")
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -44,14 +45,14 @@ def simulate_devices_if_needed(gin_files, gin_params, num_processes: int) -> Non
     """Reads only the MeshConfig and Experiment.layout bindings (no jax yet) and, if the mesh asks for more than one
     device, lets the CPU backend offer that many per process. GPU/TPU backends ignore it."""
     import gin
-    from jaxtrain.mesh_configurable import GinMeshConfig
+    from jaxtrain.training.mesh_configurable import GinMeshConfig
     from meshes.mesh_config import spec_axis_sizes
 
     for path in gin_files:
         if not os.path.exists(path):
             fail(f"gin file not found: {path}")
     try:
-        gin.add_config_file_search_path(os.path.dirname(os.path.dirname(DEFAULT_GIN)))  # bundled includes
+        gin.add_config_file_search_path(REPO_ROOT)  # bundled includes
         gin.parse_config_files_and_bindings(gin_files, gin_params, skip_unknown=True, finalize_config=False)
         needed = GinMeshConfig().fixed_device_count()
         layout = gin_binding(gin_files, gin_params, "Experiment", "layout", None)
@@ -99,7 +100,7 @@ def _gin_statements(path: str, seen: set):
         for statement in _gin_parser(f):
             if isinstance(statement, parser.IncludeStatement):
                 candidates = [statement.filename, os.path.join(os.path.dirname(path), statement.filename),
-                              os.path.join(os.path.dirname(os.path.dirname(DEFAULT_GIN)), statement.filename)]
+                              os.path.join(REPO_ROOT, statement.filename)]
                 yield from _gin_statements(next((c for c in candidates if os.path.exists(c)), candidates[0]), seen)
             else:
                 yield statement
@@ -127,7 +128,7 @@ def gin_binding(gin_files, gin_params, selector: str, arg: str, default):
     return value
 
 
-# TrainConfig.peer_timeout_s's default (jaxtrain/config.py imports jax-dependent modules, so the
+# TrainConfig.peer_timeout_s's default (jaxtrain/training/config.py imports jax-dependent modules, so the
 # CLI reads the binding from gin before importing it; tests/faults check the two agree).
 DEFAULT_PEER_TIMEOUT_S = 60.0
 
@@ -216,7 +217,7 @@ def start(args) -> None:
     if processes > 1:
         join_processes(args, processes, peer_timeout_s(gin_files, args.gin_param))
 
-    from jaxtrain.config import parse_gin  # registers every configurable
+    from jaxtrain.training.config import parse_gin  # registers every configurable
     try:
         parse_gin(gin_files, args.gin_param)
     except (ValueError, KeyError, TypeError, SyntaxError) as e:

@@ -94,7 +94,7 @@ def _memory_kind(leaf):
 
 def block_fingerprint(blocks, shape) -> str:
     """The fingerprint of an array of `shape` given as (region, numpy block) pairs that tile
-    it (how jaxtrain.convert streams a leaf), equal to `tree_fingerprints` of the whole array."""
+    it (how jaxtrain.cli.convert streams a leaf), equal to `tree_fingerprints` of the whole array."""
     total = [np.uint32(0), np.uint32(0)]
     for region, block in blocks:
         block = np.asarray(block)

@@ -12,7 +12,7 @@ import re
 import socket
 import time
 
-from jaxtrain.fingerprint import leaf_path
+from jaxtrain.checkpoints.fingerprint import leaf_path
 
 LOCK_FILE = ".jaxtrain.lock"
 
@@ -80,7 +80,7 @@ _BINDING = re.compile(r"^(?P<name>[A-Za-z_][\w.]*)\.(?P<field>\w+)\s*=\s*(?P<val
 
 
 def saved_bindings(config_gin: str) -> dict[tuple[str, str], str]:
-    """{(configurable, field): value text} of a config.gin written by jaxtrain.train (gin's
+    """{(configurable, field): value text} of a config.gin written by jaxtrain.cli.train (gin's
     config_str: one binding per line, long values continued on indented lines)."""
     bindings, last = {}, None
     if not os.path.exists(config_gin):

@@ -1,0 +1,1 @@
+"""Canonical Orbax checkpoints with manifests and layout-independent fingerprints."""

@@ -1,0 +1,1 @@
+"""The command-line programs (`python -m jaxtrain.train|eval|bench|convert` run these)."""

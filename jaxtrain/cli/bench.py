@@ -1,0 +1,234 @@
+"""`python -m jaxtrain.bench step --gin_file=F [--layout data=8,tensor=2,rules=fsdp ...] [--compile_only]`
+`python -m jaxtrain.bench collectives --mesh data=4,tensor=4 [...]`: see jaxtrain/cli/bench_collectives.py.
+
+Each --layout is a ParallelPlan spec string (jaxtrain/training/parallel_plan.py) applied over the
+config's own plan, plus `attention=` for the model. For each layout (default: the config's own), compiles the train step on abstract arrays and
+prints XLA's per-device memory (arguments, outputs, temporaries) and collective counts; unless
+--compile_only, also runs it and prints step time, tokens/s and MFU. A layout may also set the
+pipeline: `pipeline=4,schedule=interleaved2,microbatches=8,split=7/7/7/6` (the pipeline
+bubble fraction is printed with it), and the attention and context parallelism:
+`context=16,attention=blockwise,kv=ring,order=balanced` (attention=materialized|blockwise|
+pallas|pallas_interpret|auto, kv=ring|allgather, order=balanced|contiguous). Layouts run side by side
+in one process, so their ratios are comparable even on a noisy machine. Compile-only sizing
+allocates nothing, so full-size models can be sized on CPU. --json PATH appends one JSON line per
+layout (the printed figures plus the model, batch and device) for scripts such as
+benchmarks/gpu_check.sh.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+from jaxtrain.cli import bench_collectives
+from jaxtrain.cli.launch import add_common_flags, fail, simulate_cpu_devices, start
+from meshes.mesh_config import spec_axis_sizes
+
+ATTENTION_KEYS = ("materialized", "blockwise", "pallas", "pallas_interpret", "auto")
+
+
+def split_spec(spec: str) -> tuple[str, str | None]:
+    """(the ParallelPlan part of a --layout spec, the attention implementation it names or None):
+    attention is a model setting the bench lets a layout change too."""
+    plan_parts, attention = [], None
+    for part in filter(None, spec.split(",")):
+        key, _, value = part.partition("=")
+        if key == "attention":
+            if value not in ATTENTION_KEYS:
+                raise ValueError(f"layout {spec!r}: attention={value!r}: choose one of {'|'.join(ATTENTION_KEYS)}")
+            attention = value
+        else:
+            plan_parts.append(part)
+    return ",".join(plan_parts), attention
+
+
+def apply_layout(base, spec: str):
+    """(experiment, ParallelPlan): `base` with a --layout spec applied over its own plan."""
+    import dataclasses
+
+    from jaxtrain.training.parallel_plan import ParallelPlan
+
+    plan_spec, attention = split_spec(spec)
+    exp = base if attention is None else dataclasses.replace(
+        base, model=dataclasses.replace(base.model, attention=_attention(attention)))
+    return exp, ParallelPlan.from_experiment(base).with_spec(plan_spec)
+
+
+def _attention(name: str):
+    from models.layers import attention_impl as impl
+    return {"materialized": impl.MaterializedAttention(), "blockwise": impl.BlockwiseAttention(),
+            "pallas": impl.PallasAttention(), "pallas_interpret": impl.PallasAttention(interpret=True),
+            "auto": impl.AutoAttention()}[name]
+
+
+def bench_layout(exp, plan, *, steps: int, compile_only: bool, max_replicated: float | None = None) -> dict:
+    """`max_replicated`: fail the layout (ValueError) when more than this fraction of a
+    device's parameter bytes are replicated copies (MaxText's assert_params_sufficiently_sharded)."""
+    import jax
+    import numpy as np
+
+    from meshes.sharding_audit import audit_sharding, check_sufficiently_sharded
+
+    from jaxtrain.observe.flops import model_flops_utilization, peak_flops
+    from jaxtrain.observe.hlo_stats import collective_stats, executed_collective_stats
+    from jaxtrain.training.train_setup import build_train_setup
+
+    t = exp.train
+    setup = build_train_setup(exp.model, plan, t, exp.optimizer)
+    abstract, step = setup.state.abstract, setup.train_step
+    abstract_batch = setup.abstract_batch(t.global_batch, t.seq_len)
+    audit = audit_sharding(setup.state.abstract["params"], name="params")
+    if max_replicated is not None:
+        check_sufficiently_sharded(audit, max_replicated)
+    t0 = time.perf_counter()
+    compiled = step.lower(abstract, abstract_batch).compile()
+    out = {"compile_s": time.perf_counter() - t0, "params_replicated_gb": audit.replicated_bytes_per_device / 2**30,
+           "sharding_audit": audit.summary()}
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        for name in ("argument", "output", "temp", "generated_code"):
+            out[f"{name}_gb"] = getattr(mem, f"{name}_size_in_bytes", 0) / 2**30
+    hlo = compiled.as_text()
+    out["collectives"] = collective_stats(hlo)  # each instruction once
+    out["executed"] = executed_collective_stats(hlo)  # each run counted: loop bodies x trips
+    if hasattr(setup.gradients, "bubble"):
+        out["bubble"] = setup.gradients.bubble
+    if compile_only:
+        return out
+    state = setup.state.init(t.seed)
+    rng = np.random.default_rng(0)
+    host = {"inputs": rng.integers(0, exp.model.vocab_size, (t.global_batch, t.seq_len), dtype=np.int32),
+            "segment_ids": np.ones((t.global_batch, t.seq_len), np.int32),
+            "positions": np.broadcast_to(np.arange(t.seq_len, dtype=np.int32), (t.global_batch, t.seq_len)),
+            "loss_mask": np.ones((t.global_batch, t.seq_len), np.float32)}
+    host["targets"] = np.roll(host["inputs"], -1, axis=1)
+    batch = setup.device_batch(host)
+    times = []
+    for i in range(steps + 2):  # two warm-up steps
+        t1 = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        if i >= 2:
+            times.append(time.perf_counter() - t1)
+    step_time = statistics.median(times)
+    tps = t.global_batch * t.seq_len / step_time
+    peak = peak_flops(jax.devices()[0].device_kind, t.peak_flops_per_device)
+    out.update(step_time_s=step_time, tokens_per_sec=tps,
+               mfu=model_flops_utilization(exp.model.flops_per_token(t.seq_len), tps, peak, setup.mesh.size))
+    return out
+
+
+def format_row(name: str, r: dict) -> str:
+    coll = r.get("executed", {})
+    coll_text = " ".join(f"{op}:{v['count']}/{v['bytes'] / 2**20:.1f}MiB" for op, v in coll.items() if v["count"])
+    total = sum(v["bytes"] for v in coll.values())
+    fields = [f"{name:<34}"]
+    if "step_time_s" in r:
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
+        fields += [f"step {1e3 * r['step_time_s']:8.1f} ms", f"{r['tokens_per_sec']:9.0f} tok/s", f"MFU {mfu}"]
+    if "bubble" in r:
+        fields.append(f"bubble {r['bubble']:.3f}")
+    fields += [f"args {r.get('argument_gb', 0):.3f} GB", f"out {r.get('output_gb', 0):.3f} GB",
+               f"temp {r.get('temp_gb', 0):.3f} GB", f"compile {r['compile_s']:.1f}s"]
+    return " | ".join(fields) + (f"\n{'':<34}   collectives per step {total / 2**30:.2f} GiB: {coll_text}"
+                                 if coll_text else "") + (f"\n{'':<34}   {r['sharding_audit']}" if "sharding_audit" in r else "")
+
+
+def json_record(spec: str, exp, plan, r: dict | None, error: str | None = None) -> dict:
+    """One layout's result for --json: the figures without the per-op collective tables."""
+    import jax
+
+    model, t = exp.model, exp.train
+    record = {"layout": spec, "model": type(model).__name__, "dtype": getattr(model, "dtype", None),
+              "remat": getattr(model, "remat", None), "global_batch": t.global_batch, "seq_len": t.seq_len,
+              "microbatches": plan.microbatches if plan else t.microbatches, "device_kind": jax.devices()[0].device_kind,
+              "devices": jax.device_count(), "flops_per_token": model.flops_per_token(t.seq_len)}
+    record["params"], record["active_params"] = model.param_count(), model.param_count(active_only=True)
+    if error is not None:
+        record["error"] = error
+    else:
+        record.update({k: v for k, v in r.items() if k not in ("collectives", "executed", "sharding_audit")})
+        record["collective_bytes"] = sum(v["bytes"] for v in r.get("executed", {}).values())
+    return record
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxtrain.bench", description=__doc__)
+    parser.add_argument("what", choices=["step", "collectives"])
+    add_common_flags(parser)
+    bench_collectives.add_flags(parser)
+    parser.add_argument("--layout", action="append", default=[],
+                        help="e.g. data=8,tensor=2,rules=fsdp (repeatable; default: the config's mesh)")
+    parser.add_argument("--compile_only", action="store_true")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps after two warm-up steps")
+    parser.add_argument("--max_replicated", type=float, default=None,
+                        help="fail a layout whose replicated parameter bytes exceed this fraction per device")
+    args = parser.parse_args(argv)
+    if args.what == "collectives":
+        return _collectives(args)
+    sizes = [spec_axis_sizes(spec) for spec in args.layout]
+    if any(sizes):
+        simulate_cpu_devices(max(math.prod(s.values()) for s in sizes if s))
+    from jaxtrain.training.parallel_plan import ParallelPlan  # imports jax, but starts no backend
+
+    try:  # every spec readable before anything starts
+        for spec in args.layout:
+            ParallelPlan().with_spec(split_spec(spec)[0])
+    except ValueError as e:
+        fail(str(e))
+    start(args)
+
+    import jax
+
+    from jaxtrain.training.config import load_experiment
+
+    try:
+        base = load_experiment()
+    except ValueError as e:
+        fail(str(e))
+    print(f"# {jax.devices()[0].device_kind} x {jax.device_count()}, model {type(base.model).__name__}, "
+          f"batch {base.train.global_batch} x {base.train.seq_len}", flush=True)
+
+    def record(*a, **kw):  # step: --json (the collectives' flag) appends one line per layout
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(json_record(*a, **kw)) + "\n")
+
+    crashed = False
+    for spec in args.layout or [""]:
+        name, exp, plan = spec or "config", base, None
+        try:
+            exp, plan = apply_layout(base, spec)
+            result = bench_layout(exp, plan, steps=args.steps, compile_only=args.compile_only,
+                                  max_replicated=args.max_replicated)
+            print(format_row(name, result), flush=True)
+            record(name, exp, plan, result)
+        except ValueError as e:
+            print(f"{name:<34} | error: {e}", flush=True)
+            record(name, exp, plan, None, error=str(e))
+        except Exception as e:  # e.g. out of memory: the next layout still runs, the exit code says it
+            if not args.json:
+                raise
+            import traceback
+            traceback.print_exc()
+            print(f"{name:<34} | failed: {type(e).__name__}", flush=True)
+            record(name, exp, plan, None, error=f"{type(e).__name__}: {str(e)[:500]}")
+            crashed = True
+    return 1 if crashed else 0
+
+
+def _collectives(args) -> int:
+    try:
+        mesh_sizes, _, _ = bench_collectives.check_args(args)
+    except ValueError as e:
+        fail(str(e))
+    simulate_cpu_devices(math.prod(mesh_sizes.values()) if mesh_sizes else 0, args.num_processes or 1)
+    start(args)
+    return bench_collectives.main(args, fail)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Convert between Hugging Face model directories and jaxtrain checkpoints, a layer at a time.
+
+    python -m jaxtrain.convert --hf_dir=HF_DIR --workdir=W
+        HF -> W/checkpoints/0 (parameters only) + W/config.gin describing the model; then
+        python -m jaxtrain.train --gin_file=W/config.gin [--gin_file=...] --workdir=W fine-tunes it.
+    python -m jaxtrain.convert --workdir=W --hf_out=OUT [--step=N] [--hf_dtype=bfloat16]
+        the latest (or given) checkpoint in W -> an HF directory transformers loads.
+
+Neither direction builds the model in host memory: tensors are read, rearranged and written
+one layer at a time. The peak resident memory is printed at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+
+DEFAULT_STEP = 0
+
+
+def hf_to_checkpoint(hf_dir: str, workdir: str) -> str:
+    """Writes W/checkpoints/0 and W/config.gin; returns the config.gin path."""
+    from jaxtrain.hf.checkpoint_streaming import StreamedArray, save_streamed_params
+    from jaxtrain.hf.gin_config import model_gin
+    from jaxtrain.hf.loading import import_plan
+    from jaxtrain.hf.plan import BLOCK_BYTES
+    from jaxtrain.hf.trees import unflatten
+
+    plan = import_plan(hf_dir)  # checks config and tensors before the workdir is touched
+    checkpoints = os.path.join(workdir, "checkpoints")
+    existing = [d for d in os.listdir(checkpoints) if d.isdigit()] if os.path.isdir(checkpoints) else []
+    if existing:
+        raise FileExistsError(f"{checkpoints} already holds step(s) {sorted(existing, key=int)}; "
+                              f"convert into a fresh workdir so nothing there is overwritten")
+
+    def streamed(leaf):
+        block_shape, regions = leaf.blocks(BLOCK_BYTES)
+        blocks = lambda: ((region, plan.read_region(leaf.path, region)) for region in regions)
+        return StreamedArray(leaf.shape, leaf.dtype, block_shape, blocks)
+
+    params = unflatten({path: streamed(leaf) for path, leaf in plan.leaves.items()})
+    save_streamed_params(checkpoints, DEFAULT_STEP, params)
+    hf_dir = os.path.abspath(hf_dir)
+    extra = []
+    if any(os.path.exists(os.path.join(hf_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        extra.append(f"DataConfig.tokenizer = {hf_dir!r}")
+    header = (f"Converted by `python -m jaxtrain.convert` from {hf_dir} (model_type {plan.family.model_type}).\n"
+              f"The parameters are in checkpoints/{DEFAULT_STEP}; training resumes from them with a fresh "
+              f"optimizer:\n  python -m jaxtrain.train --gin_file=<this file> [--gin_file=...] --workdir=<this dir>")
+    gin_path = os.path.join(workdir, "config.gin")
+    with open(gin_path, "w") as f:
+        f.write(model_gin(plan.config, header, extra))
+    return gin_path
+
+
+def model_config_from_gin(gin_files, gin_params=()):
+    import gin
+    from jaxtrain.training.config import Experiment, parse_gin
+
+    for path in gin_files:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"gin file not found: {path}")
+    gin.clear_config()
+    parse_gin(gin_files, gin_params)
+    model = Experiment().model
+    if model is None:
+        raise ValueError(f"{', '.join(gin_files)} bind no model (Experiment.model)")
+    return model
+
+
+def checkpoint_to_hf(workdir: str, hf_out: str, *, step: int | None = None, gin_files=(), gin_params=(),
+                     hf_dtype: str | None = None, max_shard_bytes: int | None = None) -> int:
+    """Writes the checkpoint at `step` (default: latest) of W as an HF dir; returns the step."""
+    from flax import nnx
+
+    from jaxtrain.hf.checkpoint_streaming import CheckpointSource
+    from jaxtrain.hf.exporter import DEFAULT_MAX_SHARD_BYTES, ExportPlan, write_hf_dir
+    from jaxtrain.hf.registry import family_for_config
+    from jaxtrain.training.state import abstract_model
+
+    config = model_config_from_gin(list(gin_files) or [os.path.join(workdir, "config.gin")], gin_params)
+    checkpoints = os.path.join(workdir, "checkpoints")
+    steps = sorted(int(d) for d in os.listdir(checkpoints) if d.isdigit()) if os.path.isdir(checkpoints) else []
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint in {checkpoints}")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise FileNotFoundError(f"no step {step} in {checkpoints} (steps: {steps})")
+    plan = ExportPlan(family_for_config(config), config, hf_dtype)
+    source = CheckpointSource(checkpoints, step, nnx.to_pure_dict(abstract_model(config)[1]))
+    write_hf_dir(plan, source, hf_out, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+    return step
+
+
+def peak_rss_mb() -> float:
+    """This process's resident-memory high-water mark. VmHWM, where Linux has it, counts only
+    this program; getrusage's maxrss also keeps whatever the launching process had at fork."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxtrain.convert", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", required=True, help="jaxtrain workdir (checkpoints/ and config.gin)")
+    parser.add_argument("--hf_dir", help="HF model directory to import")
+    parser.add_argument("--hf_out", help="HF model directory to export to")
+    parser.add_argument("--step", type=int, default=None, help="export this step instead of the latest")
+    parser.add_argument("--gin_file", action="append", default=[], help="export: model gin (default W/config.gin)")
+    parser.add_argument("--gin_param", action="append", default=[], help="export: extra gin binding")
+    parser.add_argument("--hf_dtype", default=None, help="export: weight dtype on disk (float32, bfloat16, float16)")
+    parser.add_argument("--max_shard_gb", type=float, default=None, help="export: safetensors shard size")
+    args = parser.parse_args(argv)
+    if bool(args.hf_dir) == bool(args.hf_out):
+        parser.error("give exactly one of --hf_dir (import) or --hf_out (export)")
+
+    from jaxtrain.hf.errors import HFCheckpointError, HFConfigError
+    try:
+        if args.hf_dir:
+            gin_path = hf_to_checkpoint(args.hf_dir, args.workdir)
+            print(f"wrote {os.path.join(args.workdir, 'checkpoints', str(DEFAULT_STEP))} and {gin_path}")
+        else:
+            max_bytes = int(args.max_shard_gb * 1e9) if args.max_shard_gb else None
+            step = checkpoint_to_hf(args.workdir, args.hf_out, step=args.step, gin_files=args.gin_file,
+                                    gin_params=args.gin_param, hf_dtype=args.hf_dtype, max_shard_bytes=max_bytes)
+            print(f"wrote step {step} of {args.workdir} to {args.hf_out}")
+    except (HFConfigError, HFCheckpointError, FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    print(f"peak host memory (max RSS): {peak_rss_mb():.0f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

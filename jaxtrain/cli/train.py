@@ -1,0 +1,49 @@
+"""`python -m jaxtrain.train --gin_file=F --gin_param='X.y=z' --workdir=DIR`
+
+Trains the experiment the gin config describes (configs/default.gin when no file is given),
+resuming from the latest checkpoint in the workdir.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from jaxtrain.cli.launch import add_common_flags, fail, start
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxtrain.train", description=__doc__)
+    add_common_flags(parser)
+    parser.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl and TensorBoard events go here")
+    args = parser.parse_args(argv)
+    start(args)
+
+    import gin
+    from jaxtrain.training.config import load_experiment
+    from jaxtrain.resilience import exit_codes
+    from jaxtrain.resilience.exit_codes import RunStopped
+    from jaxtrain.training.trainer import Trainer
+
+    try:
+        exp = load_experiment()
+        trainer = Trainer(exp, args.workdir, config_text=gin.config_str())
+    except (ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    try:  # the workdir (lock, config.gin, checkpoints) is written only from here on
+        trainer.run()
+    except ValueError as e:  # workdir in use, checkpoints of another model: nothing was changed
+        fail(str(e))
+    except RunStopped as e:
+        if e.code in (exit_codes.CHECKPOINT, exit_codes.PEER, exit_codes.HANG):
+            # Background writers or collectives may still be stuck on the failure: exit now,
+            # with the one line, rather than through their teardown noise.
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(e.code)
+        fail(str(e), code=e.code)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Text corpora -> packed token windows -> batches; tokenizers; sliding-window eval windows."""

@@ -1,0 +1,1 @@
+"""What a run reports: metrics, FLOPs and MFU, HLO statistics, profiler traces."""
