@@ -93,8 +93,10 @@ LOGICAL_NAMES: dict[str, LogicalName] = {
     "kv_heads": _n("key/value heads of grouped-query attention (tensor parallel with the heads)",
                    Indivisible.REPLICATE_SINGLE),
     "head_dim": _n("width of one attention head, MLA's rope key width (kept whole)"),
-    "q_lora": _n("MLA's query compression rank (kept whole)"),
-    "kv_lora": _n("MLA's key/value latent rank (kept whole)"),
+    # FSDP splits MLA's up-projections along their latent rank (their other dimensions are heads,
+    # over tensor, and head_dim): a rank the data axes do not divide stays whole.
+    "q_lora": _n("MLA's query compression rank (FSDP splits it over the data axes)", Indivisible.REPLICATE),
+    "kv_lora": _n("MLA's key/value latent rank (FSDP splits it over the data axes)", Indivisible.REPLICATE),
     # feed-forward
     "mlp": _n("hidden width of dense MLPs and shared experts (tensor parallel)"),
     "experts": _n("routed experts of a MoE layer (expert parallel)"),
@@ -218,7 +220,10 @@ _TENSOR_PARALLEL_PARAMS: Table = {
 # (EP, ETP) are its expert-data-parallel axes, so it is kept 1/(EP x EDP) per device and
 # gathered for compute like any FSDP weight.
 _FSDP_PARAMS: Table = {**_TENSOR_PARALLEL_PARAMS, "embed": DATA_PARALLEL_AXES + ("context",),
-                       "expert_embed": DATA_PARALLEL_AXES + ("context", "tensor")}
+                       "expert_embed": DATA_PARALLEL_AXES + ("context", "tensor"),
+                       # MLA's q_up / kv_up [rank, heads, head_dim] have no embed dimension: without
+                       # this they stay whole under FSDP (V2-Lite: 0.2 GiB of params per device).
+                       "q_lora": DATA_PARALLEL_AXES + ("context",), "kv_lora": DATA_PARALLEL_AXES + ("context",)}
 # Sequence parallel: between blocks the residual stream is split over tensor as well, turning
 # the tensor-parallel all-reduces into reduce-scatter + all-gather pairs.
 _SEQUENCE_PARALLEL_ACTIVATIONS: Table = {**_ACTIVATIONS, "residual_length": ("context", "tensor")}
