@@ -1,13 +1,18 @@
-"""AdamW with warmup + decay and global-norm clipping (optax)."""
+"""AdamW with warmup + decay and global-norm clipping (optax).
+
+Which parameters get weight decay, and which are frozen (set by the train step's own rule, not
+by gradients), is declared where each parameter is made (models/layers/params.py OPTIMIZER);
+`make_optimizer` takes those roles by parameter path (`optimizer_roles` in training/state.py).
+The masks look leaves up by path, so they hold for the canonical and the pipeline-stage layout
+alike (both keep the parameter paths)."""
 from __future__ import annotations
 
 import dataclasses
 
-import jax
 import optax
 
-NO_DECAY_LEAVES = ("scale", "bias", "correction_bias")  # norm scales and biases: no weight decay
-FROZEN_LEAVES = ("correction_bias",)  # state the train step updates by its own rule, not by gradients
+from jaxtrain.training.state import map_with_path
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,19 +45,21 @@ def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
     return optax.join_schedules([ramp, decays[cfg.decay]()], [warmup]) if warmup else decays[cfg.decay]()
 
 
-def _leaf_mask(names):
-    return lambda params: jax.tree_util.tree_map_with_path(
-        lambda path, _: getattr(path[-1], "key", None) in names, params)
+def _role_mask(roles: dict, wanted: tuple[str, ...]):
+    """A mask over a params tree: True where the leaf's role (by path; "decay" if unlisted) is wanted."""
+    def mask(params):
+        return map_with_path(lambda path, _: roles.get(path, "decay") in wanted, params)
+    return mask
 
 
-def _decay_mask(params):
-    return jax.tree.map(lambda excluded: not excluded, _leaf_mask(NO_DECAY_LEAVES)(params))
-
-
-def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(cfg: OptimizerConfig, total_steps: int, roles: dict | None = None
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """`roles`: {parameter path: "decay" | "no_decay" | "frozen"}; None treats every parameter
+    as "decay" (the optimizer state's structure does not depend on it)."""
+    roles = roles or {}
     schedule = make_schedule(cfg, total_steps)
     adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                        weight_decay=cfg.weight_decay, mask=_decay_mask)
-    frozen = optax.masked(optax.set_to_zero(), _leaf_mask(FROZEN_LEAVES))
+                        weight_decay=cfg.weight_decay, mask=_role_mask(roles, ("decay",)))
+    frozen = optax.masked(optax.set_to_zero(), _role_mask(roles, ("frozen",)))
     clip = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm else []
     return optax.chain(*clip, adamw, frozen), schedule

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshes.rules import RuleSet, ShardingRuleError, Table, named_sharding, table_name
-from models.layers.params import logical_axes
+from models.layers.params import logical_axes, optimizer_role
 
 TrainState = dict  # {"step": int32[], "params": {...}, "opt_state": optax state}
 
@@ -20,6 +20,12 @@ def abstract_model(model_cfg):
     """(graphdef, abstract nnx.State) without allocating anything."""
     model = nnx.eval_shape(lambda: model_cfg.build(nnx.Rngs(0)))
     return nnx.split(model)
+
+
+def optimizer_roles(model_cfg) -> dict:
+    """{parameter path: optimizer role} as each parameter declared it (models/layers/params.py)."""
+    _, abstract_state = abstract_model(model_cfg)
+    return {path: optimizer_role(var) for path, var in nnx.to_flat_state(abstract_state)}
 
 
 def _names_tree(abstract_state: nnx.State) -> dict:

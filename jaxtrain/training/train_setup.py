@@ -17,6 +17,7 @@ import numpy as np
 from jaxtrain.pipeline import PipelinedGradients, StagedState, build_pipeline
 from jaxtrain.training.optim import OptimizerConfig, make_optimizer
 from jaxtrain.training.parallel_plan import ParallelPlan
+from jaxtrain.training.state import optimizer_roles
 from jaxtrain.training.state_layouts import CanonicalState
 from jaxtrain.training.step import BATCH_KEYS, AccumulatedGradients, batch_shardings, make_eval_step, make_train_step
 from meshes.mesh import build_mesh
@@ -62,7 +63,7 @@ def build_train_setup(model_cfg, plan: ParallelPlan, train, optimizer: Optimizer
     plan.validate(model_cfg, global_batch=train.global_batch, seq_len=train.seq_len, mesh_shape=dict(mesh.shape),
                   platform=mesh.devices.flat[0].platform)
     rules = plan.rule_set()
-    tx, lr_schedule = make_optimizer(optimizer, train.steps)
+    tx, lr_schedule = make_optimizer(optimizer, train.steps, optimizer_roles(model_cfg))
     if mesh.shape["pipeline"] > 1:
         state, gradients, summary = build_pipeline(model_cfg, plan, tx, mesh, rules, train)
     else:

@@ -20,7 +20,7 @@ class Dense(nnx.Module):
         self.dtype = dtype
         self.kernel = param(rngs, normal(init_std), self.in_shape + self.out_shape,
                             tuple(in_axes) + tuple(out_axes))
-        self.bias = param(rngs, zeros, self.out_shape, tuple(out_axes)) if use_bias else None
+        self.bias = param(rngs, zeros, self.out_shape, tuple(out_axes), optimizer="no_decay") if use_bias else None
 
     def __call__(self, x):
         n_in = len(self.in_shape)

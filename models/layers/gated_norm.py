@@ -20,7 +20,7 @@ class GatedGroupRMSNorm(nnx.Module):
         if heads % groups:
             raise ValueError(f"{heads} heads do not split into {groups} groups")
         self.groups, self.eps = groups, eps
-        self.scale = param(rngs, ones, (heads, head_dim), axes)
+        self.scale = param(rngs, ones, (heads, head_dim), axes, optimizer="no_decay")
 
     def __call__(self, y, z):
         """y, z: [..., heads, head_dim] -> [..., heads, head_dim] in y's dtype (math in float32)."""

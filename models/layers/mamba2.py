@@ -97,7 +97,7 @@ class ShortConv(nnx.Module):
                  use_bias: bool):
         init = _uniform(1.0 / math.sqrt(kernel_size))  # PyTorch's conv default (fan-in = kernel size)
         self.kernel = param(rngs, init, tuple(channels) + (kernel_size,), tuple(axes) + ("conv_kernel",))
-        self.bias = param(rngs, init, tuple(channels), tuple(axes)) if use_bias else None
+        self.bias = param(rngs, init, tuple(channels), tuple(axes), optimizer="no_decay") if use_bias else None
 
     def __call__(self, x, segment_ids, kernels: str):
         b, l = x.shape[:2]

@@ -11,7 +11,7 @@ from models.layers.params import ones, param
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, *, rngs: nnx.Rngs, eps: float = 1e-6, axis_name: str = "norm"):
         self.eps = eps
-        self.scale = param(rngs, ones, (dim,), (axis_name,))
+        self.scale = param(rngs, ones, (dim,), (axis_name,), optimizer="no_decay")
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)

@@ -8,13 +8,26 @@ import jax.numpy as jnp
 from flax import nnx
 
 LOGICAL_AXES = "logical_axes"
+# How the optimizer treats a parameter, declared where the parameter is made:
+#   "decay"     AdamW with weight decay (weight matrices; the default)
+#   "no_decay"  AdamW without weight decay (norm scales, biases)
+#   "frozen"    no gradient update: state the train step sets by its own rule (the MoE router's
+#               correction bias, after_update in models/layers/moe.py)
+OPTIMIZER = "optimizer"
+OPTIMIZER_ROLES = ("decay", "no_decay", "frozen")
 
 
 def param(rngs: nnx.Rngs, init: Callable, shape: Sequence[int], axes: Sequence[str | None],
-          dtype=jnp.float32) -> nnx.Param:
+          dtype=jnp.float32, optimizer: str = "decay") -> nnx.Param:
     if len(axes) != len(shape):
         raise ValueError(f"parameter of shape {tuple(shape)} named with {len(axes)} axes {tuple(axes)}")
-    return nnx.Param(init(rngs.params(), tuple(shape), dtype), **{LOGICAL_AXES: tuple(axes)})
+    if optimizer not in OPTIMIZER_ROLES:
+        raise ValueError(f"optimizer role {optimizer!r}: choose one of {OPTIMIZER_ROLES}")
+    return nnx.Param(init(rngs.params(), tuple(shape), dtype), **{LOGICAL_AXES: tuple(axes), OPTIMIZER: optimizer})
+
+
+def optimizer_role(variable: nnx.Variable) -> str:
+    return variable.get_metadata().get(OPTIMIZER, "decay")
 
 
 def normal(std: float) -> Callable:

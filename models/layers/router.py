@@ -11,7 +11,7 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers.params import LOGICAL_AXES, normal, param
+from models.layers.params import LOGICAL_AXES, OPTIMIZER, normal, param
 
 CORRECTION_BIAS = "correction_bias"  # updated by the train step, never by the optimizer
 
@@ -49,7 +49,7 @@ class Router(nnx.Module):
         self.kernel = param(rngs, normal(init_std), (embed, cfg.num_experts), ("embed", "router_experts"))
         if cfg.correction_bias:
             setattr(self, CORRECTION_BIAS, nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32),
-                                                     **{LOGICAL_AXES: ("router_experts",)}))
+                                                     **{LOGICAL_AXES: ("router_experts",), OPTIMIZER: "frozen"}))
         else:
             setattr(self, CORRECTION_BIAS, None)
 
