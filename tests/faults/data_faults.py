@@ -8,7 +8,8 @@
 import os
 import sys
 
-from jaxtrain.data.packing import packing, train
+from jaxtrain.cli import train
+from jaxtrain.data import packing as data
 
 
 def _patch() -> None:
