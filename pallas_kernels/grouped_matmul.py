@@ -30,6 +30,9 @@ from pallas_kernels._common import masked_store as store
 from pallas_kernels.grouped_matmul_tiled import grouped_matmul_tiled
 
 _NAME = "grouped_matmul"
+# groups x rows x k x n above which the CPU path loops over tiles (full-size MoE layers are
+# ~1e12; the suite's tiny models ~1e7)
+TILED_MIN_DENSE_WORK = 10**10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,7 +297,10 @@ def grouped_matmul(
     dtype = jnp.result_type(lhs.dtype, rhs.dtype)
     lhs, rhs = lhs.astype(dtype), rhs.astype(dtype)
     if not use_pallas:
-        if _common.target_platform() == "cpu":  # XLA:CPU expands ragged_dot densely over groups
+        # XLA:CPU expands ragged_dot densely over groups: past a size, loop over row tiles
+        # instead (small problems stay dense: a scan of tiny matmuls is slower there).
+        dense_work = rhs.shape[0] * lhs.shape[0] * lhs.shape[1] * rhs.shape[2]
+        if _common.target_platform() == "cpu" and dense_work >= TILED_MIN_DENSE_WORK:
             return grouped_matmul_tiled(lhs, rhs, group_sizes)
         return grouped_matmul_reference(lhs, rhs, group_sizes)
     base = GmmConfig()
