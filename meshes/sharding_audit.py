@@ -39,6 +39,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from meshes.tree_paths import path_text
+
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 
 
@@ -112,18 +114,6 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def _path_text(path) -> str:
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
-
-
 def _itemsize(dtype) -> int:
     try:
         return np.dtype(dtype).itemsize
@@ -173,12 +163,12 @@ def audit_sharding(tree, shardings=None, *, paths: Sequence[str] | None = None, 
     if shardings is None:
         leaf_shardings = [getattr(leaf, "sharding", None) for _, leaf in with_path]
         if any(s is None for s in leaf_shardings):
-            missing = next(_path_text(p) for (p, _), s in zip(with_path, leaf_shardings) if s is None)
+            missing = next(path_text(p) for (p, _), s in zip(with_path, leaf_shardings) if s is None)
             raise ValueError(f"leaf {missing} of {name} carries no sharding: pass the shardings tree")
     else:
         leaf_shardings = treedef.flatten_up_to(shardings)
     if paths is None:
-        paths = [_path_text(p) for p, _ in with_path]
+        paths = [path_text(p) for p, _ in with_path]
     elif len(paths) != len(with_path):
         raise ValueError(f"{len(paths)} paths for the {len(with_path)} leaves of {name}")
     audits = [audit_leaf(p, leaf, s) for p, (_, leaf), s in zip(paths, with_path, leaf_shardings)]

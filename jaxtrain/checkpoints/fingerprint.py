@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshes.tree_paths import path_text
+
 _KEYS = (0x9E3779B9, 0x7F4A7C15)
 
 
@@ -113,10 +115,5 @@ def _format(sums) -> str:
 
 
 def leaf_path(path) -> str:
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-    return "/".join(parts)
+    """A leaf's key path as text: the manifest's name for each fingerprint."""
+    return path_text(path)

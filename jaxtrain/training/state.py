@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshes.rules import RuleSet, ShardingRuleError, Table, named_sharding, table_name
+from meshes.tree_paths import path_keys
 from models.layers.params import logical_axes, optimizer_role
 
 TrainState = dict  # {"step": int32[], "params": {...}, "opt_state": optax state}
@@ -43,17 +44,7 @@ def param_shardings(abstract_state: nnx.State, mesh, table: Table) -> dict:
 
 def map_with_path(fn, tree):
     """tree_map with each leaf's path as a tuple of plain keys (dict keys, attribute names, indices)."""
-    return jax.tree_util.tree_map_with_path(lambda p, x: fn(_path_key(p), x), tree)
-
-
-def _path_key(path) -> tuple:
-    out = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                out.append(getattr(k, attr))
-                break
-    return tuple(out)
+    return jax.tree_util.tree_map_with_path(lambda p, x: fn(path_keys(p), x), tree)
 
 
 def optimizer_shardings(abstract_opt_state, abstract_state: nnx.State, mesh, table: Table):
