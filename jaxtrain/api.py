@@ -19,7 +19,6 @@ numbers. The Trainer adds the data pipeline, logging, evaluation and resilience 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain.checkpoints.checkpointer import Checkpointer
@@ -47,14 +46,7 @@ class Run:
         if devices is None and -1 not in sizes:  # a fixed mesh takes the first devices it needs
             devices = jax.devices()[:plan.mesh.fixed_device_count()]
         setup = build_train_setup(model, plan, train, optimizer, devices)
-        if params is None:
-            state = setup.state.init(seed)
-        else:
-            disk = jax.tree.map(lambda a: a.sharding, setup.state.disk_abstract["params"])
-            state = setup.state.from_disk({"params": jax.device_put(params, disk)})
-            state["opt_state"] = jax.jit(setup.tx.init, out_shardings=setup.state.shardings["opt_state"])(
-                state["params"])
-            state["step"] = jax.device_put(jnp.zeros((), jnp.int32), setup.state.shardings["step"])
+        state = setup.state.init(seed) if params is None else setup.state_from_params(params)
         return cls(setup, state, train)
 
     # -- stepping ------------------------------------------------------------------------------
@@ -105,12 +97,7 @@ class Run:
                 restored = checkpointer.restore(step, self.setup.state.disk_abstract)
         finally:
             checkpointer.close()
-        state = self.setup.state.from_disk(restored)
-        if "opt_state" not in state:  # a params-only checkpoint: fresh optimizer state
-            state["opt_state"] = jax.jit(self.setup.tx.init, out_shardings=self.setup.state.shardings["opt_state"])(
-                state["params"])
-        state["step"] = jax.device_put(jnp.asarray(step, jnp.int32), self.setup.state.shardings["step"])
-        self.state = state
+        self.state = self.setup.ready_to_step(self.setup.state.from_disk(restored), step)  # params-only: fresh Adam
         return step
 
     # -- batches -------------------------------------------------------------------------------

@@ -52,13 +52,8 @@ def train_losses(mesh_cfg: MeshConfig, *, model=TINY_LLAMA, train=TINY_TRAIN, op
     plan = ParallelPlan(mesh=mesh_cfg, rules=rules, microbatches=train.microbatches,
                         context_parallel=train.context_parallel)
     setup = build_train_setup(model, plan, train, opt, devices if devices is not None else jax.devices())
-    tx, shardings, step_fn = setup.tx, setup.state.shardings, setup.train_step
-    if init_params is None:
-        state = setup.state.init(seed)
-    else:
-        params = jax.device_put(init_params, shardings["params"])
-        state = {"step": jax.device_put(np.int32(0), shardings["step"]), "params": params,
-                 "opt_state": jax.jit(tx.init, out_shardings=shardings["opt_state"])(params)}
+    step_fn = setup.train_step
+    state = setup.state.init(seed) if init_params is None else setup.state_from_params(init_params)
     losses, history = [], []
     for i in range(steps):
         host = (batch_fn(i) if batch_fn is not None

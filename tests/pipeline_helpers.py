@@ -46,11 +46,7 @@ def run_steps(mesh_cfg, model, train, params0, *, pipeline=None, rules="dp", dev
     plan = ParallelPlan(mesh=mesh_cfg, rules=rules, microbatches=train.microbatches,
                         pipeline=pipeline or PipelineConfig(), context_parallel=train.context_parallel)
     setup = build_train_setup(model, plan, train, PIPELINE_OPT, devices if devices is not None else jax.devices())
-    tx, layout = setup.tx, setup.state
-    disk = jax.tree.map(lambda a: a.sharding, layout.disk_abstract)
-    state = layout.from_disk({"params": jax.device_put(params0, disk["params"])})
-    state["opt_state"] = jax.jit(tx.init, out_shardings=layout.shardings["opt_state"])(state["params"])
-    state["step"] = jax.device_put(np.int32(0), layout.shardings["step"])
+    layout, state = setup.state, setup.state_from_params(params0)
     losses = []
     for i in range(steps):
         host = random_packed_batch(100 + i, train.global_batch, train.seq_len, model.vocab_size)

@@ -92,14 +92,11 @@ class AccumulatedGradients:
         return aux_metrics(aux, self.microbatches)
 
 
-def make_train_step(graphdef, tx, schedule, *, mesh, rules: RuleSet, state_shardings, batch_sharding,
-                    microbatches: int = 1, loss_chunk: int = 1024, z_loss: float = 0.0, gradients=None,
+def make_train_step(graphdef, tx, schedule, gradients, *, mesh, rules: RuleSet, state_shardings, batch_sharding,
                     context_parallel: ContextParallel = ContextParallel()):
-    """`gradients`: how the batch's gradient is computed (AccumulatedGradients from
-    microbatches/loss_chunk/z_loss when None, or pipeline_step.PipelinedGradients);
-    `context_parallel`: the sequence layout and K/V exchange over the `context` axis."""
-    if gradients is None:
-        gradients = AccumulatedGradients(graphdef, microbatches=microbatches, loss_chunk=loss_chunk, z_loss=z_loss)
+    """`gradients`: how the batch's gradient is computed (AccumulatedGradients, or
+    jaxtrain/pipeline/gradients.py PipelinedGradients); `context_parallel`: the sequence layout
+    and K/V exchange over the `context` axis."""
 
     # Optimizer state kept in host memory (rules `+opt_host`) comes to the device for the update;
     # out_shardings write the new state back (XLA moves each leaf as its update needs it).
@@ -155,12 +152,10 @@ def make_train_step(graphdef, tx, schedule, *, mesh, rules: RuleSet, state_shard
                    out_shardings=(state_shardings, replicated), donate_argnums=(0,))
 
 
-def make_eval_step(graphdef, *, mesh, rules: RuleSet, params_shardings, batch_sharding, loss_chunk: int,
-                   forward=None, context_parallel: ContextParallel = ContextParallel()):
+def make_eval_step(forward, *, mesh, rules: RuleSet, params_shardings, batch_sharding,
+                   context_parallel: ContextParallel = ContextParallel()):
     """Sums (nll, tokens, correct) over a batch; callers divide after summing batches.
-    `forward(params, batch) -> (nll, z, correct)`: the whole-batch forward by default."""
-    if forward is None:
-        forward = AccumulatedGradients(graphdef, microbatches=1, loss_chunk=loss_chunk, z_loss=0.0).sums
+    `forward(params, batch) -> (nll, z, correct)`: the gradient strategy's `sums`."""
 
     def step(params, batch):
         with use_rules(mesh, rules), use_context_parallel(context_parallel):

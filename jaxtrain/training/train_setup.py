@@ -40,6 +40,19 @@ class TrainSetup:
     eval_step: object
     summary: str = ""  # the pipeline layout in a line, for the log (empty without one)
 
+    def ready_to_step(self, state: dict, step: int) -> dict:
+        """A restored or given state (params in this run's layout; opt_state optional) made
+        ready for the train step: a fresh optimizer state where it has none, and `step`."""
+        shardings = self.state.shardings
+        if "opt_state" not in state:  # a converted checkpoint, given params, or a reset on purpose
+            state = {**state, "opt_state": jax.jit(self.tx.init, out_shardings=shardings["opt_state"])(state["params"])}
+        return {**state, "step": jax.device_put(jnp.asarray(step, jnp.int32), shardings["step"])}
+
+    def state_from_params(self, params: dict, step: int = 0) -> dict:
+        """A state starting from canonical parameters (host or device arrays), in this run's layout."""
+        disk = jax.tree.map(lambda a: a.sharding, self.state.disk_abstract["params"])
+        return self.ready_to_step(self.state.from_disk({"params": jax.device_put(params, disk)}), step)
+
     def abstract_batch(self, global_batch: int, seq_len: int) -> dict:
         """ShapeDtypeStructs of a global batch with its shardings (for compile-only sizing)."""
         return {k: jax.ShapeDtypeStruct((global_batch, seq_len), BATCH_DTYPES[k], sharding=s)
@@ -73,10 +86,8 @@ def build_train_setup(model_cfg, plan: ParallelPlan, train, optimizer: Optimizer
         summary = ""
     bsh = batch_shardings(mesh, rules, train.global_batch, train.seq_len)
     cp = plan.context_parallel
-    train_step = make_train_step(state.graphdef, tx, lr_schedule, mesh=mesh, rules=rules,
-                                 state_shardings=state.shardings, batch_sharding=bsh, gradients=gradients,
-                                 context_parallel=cp)
-    eval_step = make_eval_step(state.graphdef, mesh=mesh, rules=rules, params_shardings=state.shardings["params"],
-                               batch_sharding=bsh, loss_chunk=train.loss_chunk, forward=gradients.sums,
-                               context_parallel=cp)
+    train_step = make_train_step(state.graphdef, tx, lr_schedule, gradients, mesh=mesh, rules=rules,
+                                 state_shardings=state.shardings, batch_sharding=bsh, context_parallel=cp)
+    eval_step = make_eval_step(gradients.sums, mesh=mesh, rules=rules, params_shardings=state.shardings["params"],
+                               batch_sharding=bsh, context_parallel=cp)
     return TrainSetup(plan, mesh, rules, tx, lr_schedule, state, gradients, bsh, train_step, eval_step, summary)

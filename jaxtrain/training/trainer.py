@@ -10,7 +10,6 @@ import math
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain.training.batch_shards import process_batch_shard
@@ -104,10 +103,7 @@ class Trainer:
             self.train_iter.set_state(self.fresh_data_state)
             return self.state_layout.init(t.seed), {"data_position": 0, "skipped_batches": []}
         step, restored, manifest = found
-        state = self.state_layout.from_disk(restored)
-        if "opt_state" not in state:  # a converted checkpoint, or reset on purpose
-            state["opt_state"] = jax.jit(self.tx.init, out_shardings=self.shardings["opt_state"])(state["params"])
-        state["step"] = jax.device_put(jnp.asarray(step, jnp.int32), self.shardings["step"])
+        state = self.setup.ready_to_step(self.state_layout.from_disk(restored), step)
         fresh_data = "data" in t.reset_on_resume or "data" not in manifest.get("items", ALL_ITEMS)
         position = 0 if fresh_data else manifest.get("data_position", step)
         return state, {"data_position": position, "skipped_batches": manifest.get("skipped_batches", []),
