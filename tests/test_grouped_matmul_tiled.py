@@ -70,3 +70,22 @@ def test_flops_do_not_grow_with_the_number_of_groups():
 
     few, many = flops(4), flops(64)
     assert many < 1.5 * few, (few, many)
+
+
+def test_the_cpu_dispatch_takes_the_tiles_past_its_threshold(monkeypatch):
+    """grouped_matmul(impl="xla") on CPU: past TILED_MIN_DENSE_WORK it runs the tile loop (a
+    `scan` in its jaxpr, no ragged_dot), below it ragged_dot; both equal the float64 loop."""
+    import importlib
+    gm = importlib.import_module("pallas_kernels.grouped_matmul")  # the module (the package exports the function)
+
+    rng = np.random.default_rng(7)
+    sizes = np.asarray(CASES["ragged"], np.int32)
+    # fresh shapes per case: grouped_matmul is jitted, so a cached trace would hide the switch
+    for rows, threshold, tiled in ((64, 0, True), (72, 10**18, False)):
+        lhs = rng.normal(size=(rows, 12)).astype(np.float32)
+        rhs = rng.normal(size=(6, 12, 10)).astype(np.float32)
+        call = lambda: gm.grouped_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), impl="xla")
+        monkeypatch.setattr(gm, "TILED_MIN_DENSE_WORK", threshold)
+        text = str(jax.make_jaxpr(call)())
+        assert ("scan" in text and "ragged_dot" not in text) == tiled, (threshold, text[:300])
+        np.testing.assert_allclose(np.asarray(call()), reference(lhs, rhs, sizes), rtol=1e-5, atol=1e-5)

@@ -14,7 +14,6 @@ import optax
 from jaxtrain.training.state import map_with_path
 
 
-
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     learning_rate: float = 3e-4
