@@ -57,8 +57,13 @@ class AccumulatedGradients:
     (gradient accumulation); one microbatch runs the batch at once. The pipelined counterpart,
     with the same interface, is jaxtrain/pipeline/gradients.py."""
 
-    def __init__(self, graphdef, *, microbatches: int, loss_chunk: int, z_loss: float):
+    def __init__(self, graphdef, *, microbatches: int, loss_chunk: int, z_loss: float,
+                 step_microbatches: int | None = None):
+        """`step_microbatches`: the microbatches of the whole optimizer step when this strategy
+        runs only some of them (one device group's share: jaxtrain/training/group_step.py); the
+        aux losses are averaged over all of them. Default: `microbatches`."""
         self.graphdef, self.microbatches = graphdef, microbatches
+        self.step_microbatches = step_microbatches or microbatches
         self.loss_chunk, self.z_loss = loss_chunk, z_loss
 
     def sums(self, params, batch):
@@ -67,7 +72,7 @@ class AccumulatedGradients:
 
     def _loss(self, params, mb, total_tokens):
         sums, aux = _forward_sums(self.graphdef, params, mb, loss_chunk=self.loss_chunk, z_loss=self.z_loss)
-        return training_loss(sums, aux, total_tokens, self.microbatches), (sums, aux)
+        return training_loss(sums, aux, total_tokens, self.step_microbatches), (sums, aux)
 
     def __call__(self, params, batch, total_tokens):
         """(grads, (nll, z, correct) sums, aux laid out like params' stacks)."""
@@ -89,37 +94,40 @@ class AccumulatedGradients:
         return grads, sums, aux
 
     def metrics(self, aux) -> dict:
-        return aux_metrics(aux, self.microbatches)
+        return aux_metrics(aux, self.step_microbatches)
 
 
-def make_train_step(graphdef, tx, schedule, gradients, *, mesh, rules: RuleSet, state_shardings, batch_sharding,
-                    context_parallel: ContextParallel = ContextParallel()):
-    """`gradients`: how the batch's gradient is computed (AccumulatedGradients, or
-    jaxtrain/pipeline/gradients.py PipelinedGradients); `context_parallel`: the sequence layout
-    and K/V exchange over the `context` axis."""
+def loss_tokens(count):
+    """The tokens the loss is a mean over, from the batch's loss-mask sum: at least 1, so an
+    all-masked batch has loss 0, not NaN."""
+    return jnp.maximum(count, 1.0)
 
+
+def make_update(graphdef, tx, schedule, *, rules: RuleSet, opt_state_shardings):
+    """The second half of every train step: `update(state, grads, sums, aux, total_tokens,
+    aux_metrics) -> (new state, metrics)` applies the optimizer to the whole batch's gradient,
+    runs the layers' post-update, keeps the old state if anything is not finite, and computes the
+    step's metrics. Shared by the one-program step (make_train_step) and the step over device
+    groups (jaxtrain/training/group_step.py). Call it under `use_rules` of the state's mesh."""
     # Optimizer state kept in host memory (rules `+opt_host`) comes to the device for the update;
-    # out_shardings write the new state back (XLA moves each leaf as its update needs it).
+    # the step's out_shardings write the new state back (XLA moves each leaf as its update needs it).
     if rules.optimizer_memory == "device":
         to_device = lambda opt: opt
     else:
-        on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), state_shardings["opt_state"])
+        on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), opt_state_shardings)
         to_device = lambda opt: jax.tree.map(jax.device_put, opt, on_device)
 
-    def step(state, batch):
-        with use_rules(mesh, rules), use_context_parallel(context_parallel):
-            params = state["params"]
-            old_opt_state = to_device(state["opt_state"])
-            total_tokens = jnp.maximum(batch["loss_mask"].sum(), 1.0)
-            grads, sums, aux = gradients(params, batch, total_tokens)
-            updates, opt_state = tx.update(grads, old_opt_state, params)
-            new_params = optax.apply_updates(params, updates)
-            if has_after_update(aux):  # e.g. the MoE routers' correction biases follow the load
-                # aux is laid out like the params (canonical stacks, or pipeline stages: the
-                # update is elementwise per layer either way)
-                model = nnx.merge(graphdef, new_params)
-                model.after_update(aux)
-                new_params = nnx.to_pure_dict(nnx.state(model))
+    def update(state, grads, sums, aux, total_tokens, aux_metrics: dict):
+        params = state["params"]
+        old_opt_state = to_device(state["opt_state"])
+        updates, opt_state = tx.update(grads, old_opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        if has_after_update(aux):  # e.g. the MoE routers' correction biases follow the load
+            # aux is laid out like the params (canonical stacks, or pipeline stages: the
+            # update is elementwise per layer either way)
+            model = nnx.merge(graphdef, new_params)
+            model.after_update(aux)
+            new_params = nnx.to_pure_dict(nnx.state(model))
         nll, z, correct = sums
         grad_squares = jnp.stack([jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)])
         grad_norm, param_norm = jnp.sqrt(grad_squares.sum()), optax.tree.norm(new_params)
@@ -141,26 +149,47 @@ def make_train_step(graphdef, tx, schedule, gradients, *, mesh, rules: RuleSet, 
             # index into jax.tree.leaves(params) of the first non-finite gradient, -1 if none
             "first_nonfinite_grad": jnp.where(jnp.isfinite(grad_squares).all(), -1,
                                               jnp.argmax(~jnp.isfinite(grad_squares))),
-            **gradients.metrics(aux),
+            **aux_metrics,
         }
         new_state = {"step": state["step"] + 1, "params": keep_if_finite(new_params, params),
                      "opt_state": keep_if_finite(opt_state, old_opt_state)}
         return new_state, metrics
+
+    return update
+
+
+def make_train_step(graphdef, tx, schedule, gradients, *, mesh, rules: RuleSet, state_shardings, batch_sharding,
+                    context_parallel: ContextParallel = ContextParallel()):
+    """`gradients`: how the batch's gradient is computed (AccumulatedGradients, or
+    jaxtrain/pipeline/gradients.py PipelinedGradients); `context_parallel`: the sequence layout
+    and K/V exchange over the `context` axis."""
+    update = make_update(graphdef, tx, schedule, rules=rules, opt_state_shardings=state_shardings["opt_state"])
+
+    def step(state, batch):
+        with use_rules(mesh, rules), use_context_parallel(context_parallel):
+            total_tokens = loss_tokens(batch["loss_mask"].sum())
+            grads, sums, aux = gradients(state["params"], batch, total_tokens)
+            return update(state, grads, sums, aux, total_tokens, gradients.metrics(aux))
 
     replicated = NamedSharding(mesh, PartitionSpec())
     return jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                    out_shardings=(state_shardings, replicated), donate_argnums=(0,))
 
 
-def make_eval_step(forward, *, mesh, rules: RuleSet, params_shardings, batch_sharding,
-                   context_parallel: ContextParallel = ContextParallel()):
-    """Sums (nll, tokens, correct) over a batch; callers divide after summing batches.
-    `forward(params, batch) -> (nll, z, correct)`: the gradient strategy's `sums`."""
+def eval_sums(forward, *, mesh, rules: RuleSet, context_parallel: ContextParallel = ContextParallel()):
+    """`sums(params, batch) -> {nll, tokens, correct}` over a batch (callers divide after summing
+    batches); `forward(params, batch) -> (nll, z, correct)`: the gradient strategy's `sums`."""
 
-    def step(params, batch):
+    def sums(params, batch):
         with use_rules(mesh, rules), use_context_parallel(context_parallel):
             nll, _, correct = forward(params, batch)
         return {"nll": nll, "tokens": batch["loss_mask"].sum(), "correct": correct}
 
-    return jax.jit(step, in_shardings=(params_shardings, batch_sharding),
-                   out_shardings=NamedSharding(mesh, PartitionSpec()))
+    return sums
+
+
+def make_eval_step(forward, *, mesh, rules: RuleSet, params_shardings, batch_sharding,
+                   context_parallel: ContextParallel = ContextParallel()):
+    """eval_sums jitted for one mesh."""
+    return jax.jit(eval_sums(forward, mesh=mesh, rules=rules, context_parallel=context_parallel),
+                   in_shardings=(params_shardings, batch_sharding), out_shardings=NamedSharding(mesh, PartitionSpec()))
