@@ -15,6 +15,12 @@ document per row) and `loss_mask` (default all ones). Every process passes the s
 global batch; each device takes its own shard of it. The run is the same machinery the
 Trainer uses (jaxtrain/training/train_setup.py): any ParallelPlan, pipelines included, the same
 numbers. The Trainer adds the data pipeline, logging, evaluation and resilience around it.
+
+Device groups of different speed (one node of fast GPUs, one of slower ones) train with uneven
+shares of each batch: `Run.create(model, "data=8", ..., groups=DeviceGroups(rows=(24, 8)))`
+gives the first 8 devices 24 rows of each batch and the next 8 devices 8 rows, each group laid
+out by the plan, with the numbers of one program on the whole batch
+(jaxtrain/training/device_groups.py).
 """
 from __future__ import annotations
 
@@ -23,8 +29,10 @@ import numpy as np
 
 from jaxtrain.checkpoints.checkpointer import Checkpointer
 from jaxtrain.training.config import TrainConfig
+from jaxtrain.training.device_groups import DeviceGroups
 from jaxtrain.training.optim import OptimizerConfig
 from jaxtrain.training.parallel_plan import ParallelPlan
+from jaxtrain.training.step import BATCH_KEYS
 from jaxtrain.training.train_setup import TrainSetup, build_train_setup
 
 
@@ -35,17 +43,20 @@ class Run:
     @classmethod
     def create(cls, model, plan: ParallelPlan | str = "", *, train: TrainConfig = TrainConfig(),
                optimizer: OptimizerConfig = OptimizerConfig(), devices=None, seed: int = 0,
-               params: dict | None = None) -> "Run":
+               params: dict | None = None, groups: DeviceGroups | None = None) -> "Run":
         """A run of `model` (a model config) laid out by `plan` (a ParallelPlan or spec string;
         "" puts every device on `data`; a mesh of fixed sizes takes the first devices it needs). `params`: canonical parameters to start from (host
         or device arrays, e.g. from `hf.load`); otherwise initialized from `seed`. `train`
-        gives the batch shape, the loss settings and the learning-rate schedule's length."""
+        gives the batch shape, the loss settings and the learning-rate schedule's length.
+        `groups`: data parallelism over device groups with uneven batch shares, each group laid
+        out by `plan` (whose `microbatches` then counts the microbatches of all groups);
+        `devices` may then list each group's devices."""
         if isinstance(plan, str):
             plan = ParallelPlan().with_spec(plan)
         sizes = plan.mesh.sizes().values()
-        if devices is None and -1 not in sizes:  # a fixed mesh takes the first devices it needs
+        if devices is None and -1 not in sizes and groups is None:  # a fixed mesh takes the first devices it needs
             devices = jax.devices()[:plan.mesh.fixed_device_count()]
-        setup = build_train_setup(model, plan, train, optimizer, devices)
+        setup = build_train_setup(model, plan, train, optimizer, devices, groups=groups)
         state = setup.state.init(seed) if params is None else setup.state_from_params(params)
         return cls(setup, state, train)
 
@@ -107,9 +118,9 @@ class Run:
         missing = {"inputs", "targets"} - set(batch)
         if missing:
             raise ValueError(f"a batch needs {sorted(missing)} (and may have positions, segment_ids, loss_mask)")
-        unknown = set(batch) - set(self.setup.batch_sharding)
+        unknown = set(batch) - set(BATCH_KEYS)
         if unknown:
-            raise ValueError(f"unknown batch keys {sorted(unknown)}; known: {sorted(self.setup.batch_sharding)}")
+            raise ValueError(f"unknown batch keys {sorted(unknown)}; known: {sorted(BATCH_KEYS)}")
         full = {"positions": np.broadcast_to(np.arange(t.seq_len, dtype=np.int32), shape),
                 "segment_ids": np.ones(shape, np.int32), "loss_mask": np.ones(shape, np.float32), **batch}
         for key, value in full.items():

@@ -42,8 +42,9 @@ def _launched_processes(args) -> int:
 
 
 def simulate_devices_if_needed(gin_files, gin_params, num_processes: int) -> None:
-    """Reads only the MeshConfig and Experiment.layout bindings (no jax yet) and, if the mesh asks for more than one
-    device, lets the CPU backend offer that many per process. GPU/TPU backends ignore it."""
+    """Reads only the MeshConfig, Experiment.layout and DeviceGroups.rows bindings (no jax yet) and, if the
+    mesh (times the device groups) asks for more than one device, lets the CPU backend offer that many
+    per process. GPU/TPU backends ignore it."""
     import gin
     from jaxtrain.training.mesh_configurable import GinMeshConfig
     from meshes.mesh_config import spec_axis_sizes
@@ -58,6 +59,9 @@ def simulate_devices_if_needed(gin_files, gin_params, num_processes: int) -> Non
         layout = gin_binding(gin_files, gin_params, "Experiment", "layout", None)
         if isinstance(layout, str) and spec_axis_sizes(layout):  # the plan's spec string overrides
             needed = math.prod(spec_axis_sizes(layout).values())
+        rows = gin_binding(gin_files, gin_params, "DeviceGroups", "rows", ())
+        if isinstance(rows, (tuple, list)) and rows:  # the mesh is one device group's
+            needed *= len(rows)
     except Exception:  # the strict parse after jax starts reports config errors clearly
         needed = 1
     finally:

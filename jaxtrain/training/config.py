@@ -8,6 +8,7 @@ from typing import Any
 import gin
 
 from jaxtrain.training.config_types import check_config_types
+from jaxtrain.training.device_groups import DeviceGroups
 from jaxtrain.data.packing import REPO_ROOT, DataConfig
 from jaxtrain.training.mesh_configurable import GinMeshConfig
 from jaxtrain.training.optim import OptimizerConfig
@@ -33,6 +34,7 @@ for _cls in (Halt, Skip, Rollback):
     gin.external_configurable(_cls, module="jaxtrain")
 GinDataConfig = gin.external_configurable(DataConfig, name="DataConfig", module="jaxtrain")
 GinOptimizerConfig = gin.external_configurable(OptimizerConfig, name="OptimizerConfig", module="jaxtrain")
+GinDeviceGroups = gin.external_configurable(DeviceGroups, name="DeviceGroups", module="jaxtrain")
 
 
 @gin.configurable(module="jaxtrain")
@@ -105,6 +107,9 @@ class Experiment:
     # A ParallelPlan spec string applied over the fields above (jaxtrain/training/parallel_plan.py), e.g.
     # "pipeline=2,data=2,context=2,tensor=2,rules=fsdp,split=14/13,microbatches=4".
     layout: str | None = None
+    # Data parallelism over device groups with uneven batch shares (jaxtrain/training/device_groups.py):
+    # `DeviceGroups.rows = (24, 8)` alone is enough (load_experiment picks it up).
+    groups: DeviceGroups | None = None
 
 
 def load_experiment() -> Experiment:
@@ -122,8 +127,9 @@ def load_experiment() -> Experiment:
         data=exp.data or GinDataConfig(),
         optimizer=exp.optimizer or GinOptimizerConfig(),
         pipeline=exp.pipeline or PipelineConfig(),
+        groups=exp.groups or GinDeviceGroups(),
     )
-    for part in (exp.model, exp.mesh, exp.train, exp.data, exp.optimizer, exp.pipeline):
+    for part in (exp.model, exp.mesh, exp.train, exp.data, exp.optimizer, exp.pipeline, exp.groups):
         check_config_types(part)
     ParallelPlan.from_experiment(exp)  # a bad Experiment.layout string is a config error now
     return exp

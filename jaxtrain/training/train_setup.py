@@ -1,6 +1,7 @@
 """The one assembly function: (model config, ParallelPlan, TrainConfig, OptimizerConfig) ->
 everything a run compiles, for any layout — mesh, rules, optimizer, state layout, gradient
-strategy, batch shardings, train and eval steps.
+strategy, batch shardings, train and eval steps; with DeviceGroups, the same over device groups
+with uneven batch shares (jaxtrain/training/device_groups.py).
 
 The Trainer, the bench, the eval CLI, the Python API (jaxtrain/api.py) and the tests all call
 `build_train_setup`, so a pipelined and an unpipelined run differ only in the two strategies
@@ -15,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain.pipeline import PipelinedGradients, StagedState, build_pipeline
+from jaxtrain.training.device_groups import BatchShares, DeviceGroups, GroupLayout, split_devices
+from jaxtrain.training.group_step import GroupedEvalStep, GroupedTrainStep, group_gradients
 from jaxtrain.training.optim import OptimizerConfig, make_optimizer
 from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.training.state import optimizer_roles
@@ -61,17 +64,43 @@ class TrainSetup:
     def device_batch(self, host: dict) -> dict:
         """The whole global batch (numpy arrays, the same on every process) -> sharded device
         arrays, each device taking its own shard."""
-        out = {}
-        for k, sharding in self.batch_sharding.items():
-            value = np.asarray(host[k], BATCH_DTYPES[k])
-            out[k] = jax.make_array_from_callback(value.shape, sharding, lambda index, v=value: v[index])
-        return out
+        return _device_arrays(host, self.batch_sharding)
+
+
+@dataclasses.dataclass
+class GroupedTrainSetup(TrainSetup):
+    """A run over device groups: `mesh` is the global mesh (state replicated over its `groups`
+    axis), `gradients` and `batch_sharding` are per group, and the steps take {group: its rows}
+    for this process's groups (`device_batch` makes them from the whole global batch)."""
+    layout: GroupLayout | None = None
+    shares: BatchShares | None = None
+
+    def device_batch(self, host: dict) -> dict:
+        """The whole global batch (numpy arrays, the same on every process) -> this process's
+        groups' rows (BatchShares.row_indices), each group's on its own mesh."""
+        return {g: _device_arrays({k: np.asarray(host[k])[self.shares.row_indices(g)] for k in self.batch_sharding[g]},
+                                  self.batch_sharding[g]) for g in self.layout.own}
+
+    def abstract_batch(self, global_batch: int, seq_len: int) -> dict:
+        raise NotImplementedError("a run over device groups compiles one program per group: no one abstract batch")
+
+
+def _device_arrays(host: dict, shardings: dict) -> dict:
+    out = {}
+    for k, sharding in shardings.items():
+        value = np.asarray(host[k], BATCH_DTYPES[k])
+        out[k] = jax.make_array_from_callback(value.shape, sharding, lambda index, v=value: v[index])
+    return out
 
 
 def build_train_setup(model_cfg, plan: ParallelPlan, train, optimizer: OptimizerConfig,
-                      devices=None) -> TrainSetup:
+                      devices=None, groups: DeviceGroups | None = None) -> TrainSetup:
     """Validates the plan against the model and batch (before anything is compiled), then
-    builds the run's parts. `train`: a TrainConfig (steps, batch, sequence, loss settings)."""
+    builds the run's parts. `train`: a TrainConfig (steps, batch, sequence, loss settings).
+    `groups`: data parallelism over device groups with uneven shares of the batch (each group
+    laid out by `plan`; `devices` then a flat list or one list per group)."""
+    if groups is not None and groups.rows:
+        return _build_grouped_train_setup(model_cfg, plan, train, optimizer, devices, groups)
     mesh = build_mesh(plan.mesh, devices)
     plan.validate(model_cfg, global_batch=train.global_batch, seq_len=train.seq_len, mesh_shape=dict(mesh.shape),
                   platform=mesh.devices.flat[0].platform)
@@ -91,3 +120,32 @@ def build_train_setup(model_cfg, plan: ParallelPlan, train, optimizer: Optimizer
     eval_step = make_eval_step(gradients.sums, mesh=mesh, rules=rules, params_shardings=state.shardings["params"],
                                batch_sharding=bsh, context_parallel=cp)
     return TrainSetup(plan, mesh, rules, tx, lr_schedule, state, gradients, bsh, train_step, eval_step, summary)
+
+
+def _build_grouped_train_setup(model_cfg, plan: ParallelPlan, train, optimizer: OptimizerConfig, devices,
+                               groups: DeviceGroups) -> GroupedTrainSetup:
+    shares = groups.shares(train.global_batch, plan.microbatches)
+    fixed = None if -1 in plan.mesh.sizes().values() else plan.mesh.fixed_device_count()
+    devices = jax.devices() if devices is None else devices
+    layout = GroupLayout(plan.mesh, split_devices(devices, len(shares.rows), fixed))
+    group_shape = layout.group_shape
+    if group_shape["pipeline"] > 1:
+        raise ValueError(f"pipeline={group_shape['pipeline']} within device groups is not supported: lay each "
+                         f"group out with data, context, expert and tensor only")
+    plan.validate(model_cfg, global_batch=train.global_batch, seq_len=train.seq_len, mesh_shape=group_shape,
+                  platform=layout.mesh.devices.flat[0].platform)
+    rules = plan.rule_set()
+    tx, lr_schedule = make_optimizer(optimizer, train.steps, optimizer_roles(model_cfg))
+    state = CanonicalState(model_cfg, tx, layout.mesh, rules)
+    gradients = group_gradients(shares, state.graphdef, loss_chunk=train.loss_chunk, z_loss=train.z_loss)
+    bsh = {g: batch_shardings(mesh, rules, rows, train.seq_len) for g, (mesh, rows) in
+           enumerate(zip(layout.meshes, shares.rows))}
+    cp = plan.context_parallel
+    train_step = GroupedTrainStep(layout, gradients, state.graphdef, tx, lr_schedule, rules=rules,
+                                  state_shardings=state.shardings, batch_shardings=bsh, context_parallel=cp)
+    eval_step = GroupedEvalStep(layout, gradients, rules=rules, params_shardings=state.shardings["params"],
+                                batch_shardings=bsh, context_parallel=cp)
+    summary = (f"{layout.count} device groups of {layout.meshes[0].size} devices, rows {shares.rows} of each batch "
+               f"in microbatches of {shares.microbatch_rows} ({shares.microbatches})")
+    return GroupedTrainSetup(plan, layout.mesh, rules, tx, lr_schedule, state, gradients, bsh, train_step, eval_step,
+                             summary, layout=layout, shares=shares)

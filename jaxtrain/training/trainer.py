@@ -24,7 +24,7 @@ from jaxtrain.resilience import exit_codes
 from jaxtrain.resilience.exit_codes import RunStopped
 from jaxtrain.resilience.peers import Peers
 from jaxtrain.data.tokenizer import load_tokenizer
-from jaxtrain.training.train_setup import build_train_setup
+from jaxtrain.training.train_setup import GroupedTrainSetup, build_train_setup
 from jaxtrain.training.workdir import WorkdirLock, check_same_model
 
 
@@ -57,12 +57,18 @@ class Trainer:
         t = exp.train
         check_vocabulary(exp)  # the Trainer feeds corpus tokens (the bench feeds ids below the vocabulary)
         self.plan = ParallelPlan.from_experiment(exp)
-        setup = build_train_setup(exp.model, self.plan, t, exp.optimizer, devices)
+        setup = build_train_setup(exp.model, self.plan, t, exp.optimizer, devices, groups=exp.groups)
         self.setup, self.mesh, self.rules, self.tx = setup, setup.mesh, setup.rules, setup.tx
-        # Rows this process feeds: processes that differ only along axes the batch is replicated
-        # over (pipeline stages on different hosts) read the same rows.
-        shard, shards = process_batch_shard(setup.batch_sharding["inputs"], (t.global_batch, t.seq_len),
-                                            jax.process_index())
+        self.grouped = isinstance(setup, GroupedTrainSetup)
+        if self.grouped:
+            # Every process reads whole global batches and its groups take their rows
+            # (GroupedTrainSetup.device_batch): the data state is that of one reader.
+            shard, shards = 0, 1
+        else:
+            # Rows this process feeds: processes that differ only along axes the batch is replicated
+            # over (pipeline stages on different hosts) read the same rows.
+            shard, shards = process_batch_shard(setup.batch_sharding["inputs"], (t.global_batch, t.seq_len),
+                                                jax.process_index())
         self.train_iter = make_train_iterator(exp.data, seq_len=t.seq_len, global_batch=t.global_batch,
                                               seed=t.seed, process_index=shard, process_count=shards)
         self.fresh_data_state = self.train_iter.get_state()
@@ -80,6 +86,9 @@ class Trainer:
 
     # -- data --------------------------------------------------------------------------------
     def global_batch(self, local: dict) -> dict:
+        """This process's rows of a batch -> what the steps take."""
+        if self.grouped:
+            return self.setup.device_batch(local)
         return {k: jax.make_array_from_process_local_data(self.batch_sharding[k], np.asarray(local[k]))
                 for k in self.batch_sharding}
 
