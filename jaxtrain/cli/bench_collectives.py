@@ -176,10 +176,12 @@ def _human(n: int) -> str:
     return f"{n}B"
 
 
-def write_json(rows: list[dict], path: str, device_kind: str) -> None:
+def write_json(rows: list[dict], path: str, device_kind: str, mesh: dict[str, int]) -> None:
+    """One JSON line per row, with the device kind and the mesh's axis sizes (the planner finds
+    which link an axis crossed from its place in the mesh: jaxtrain/planner/links.py)."""
     with open(path, "w") as f:
         for r in rows:
-            f.write(json.dumps({"device_kind": device_kind, **r}) + "\n")
+            f.write(json.dumps({"device_kind": device_kind, "mesh": mesh, **r}) + "\n")
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -271,7 +273,7 @@ def main(args, fail) -> int:
     rows = run_all(mesh, groups, ops, sizes, iters=args.iters, repeats=args.repeats,
                    on_row=lambda r: main_process and print(format_row(r), flush=True))
     if main_process and args.json:
-        write_json(rows, args.json, kind)
+        write_json(rows, args.json, kind, dict(mesh.shape))
     if main_process and args.png:
         plot(rows, args.png, title)
     return 0

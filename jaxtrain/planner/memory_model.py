@@ -1,0 +1,146 @@
+"""Predicted memory per device of one train step: the state (exact) and the step's peak.
+
+    state     parameters + Adam moments + the batch: state_bytes.py, exact
+    temp      what the step allocates beyond its arguments, the larger of two phases:
+
+      backward  = saved activations of every layer (layer_profile.py, under the remat policy)
+                + the gradient accumulators (float32, laid out like the optimizer state)
+                + one more set of them when microbatches are accumulated
+                + the larger of
+                    one layer's backward: its residuals without remat (recomputed), its weights
+                      gathered by FSDP in float32 and their float32 gradient before the
+                      reduce-scatter
+                    the head: embedding / LM head weights gathered, their gradients, and one
+                      loss chunk of float32 logits (logits, softmax, their gradient)
+      update    = the new parameters and both new Adam moments, all held until the step knows
+                  whether they are finite (jaxtrain/training/step.py keeps the old state
+                  otherwise), each laid out like the optimizer state
+
+      pipeline  the stage program keeps every microbatch's saved activations for each tick it
+                is in flight (GPipe: M + S - 1 ticks' inputs per stage) instead of one batch's
+
+`Platform` says how the compiler stores things: XLA:CPU computes bf16 in float32 and keeps
+the float32 activations, so the CPU prediction (what `--verify` compiles) holds 2-byte
+activations at 4 bytes; GPUs keep them in the compute dtype.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxtrain.planner.layer_profile import ModelProfile, TokenShape
+from jaxtrain.planner.state_bytes import StateBytes
+
+F32 = 4
+LOGIT_COPIES = 3  # float32 logits, their softmax and their gradient, per loss chunk
+BATCH_ARRAYS = 5  # inputs, targets, segment_ids, positions, loss_mask: 4 bytes per token each
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    name: str
+    widen_half: bool  # 2-byte float activations held as float32
+
+
+GPU = Platform("gpu", widen_half=False)
+CPU = Platform("cpu", widen_half=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    params: float
+    optimizer: float  # device memory (host-offloaded moments are in optimizer_host)
+    optimizer_host: float
+    batch: float
+    saved_activations: float  # every layer's residuals kept for the backward pass
+    gradients: float
+    layer_backward: float  # the largest layer's backward working set
+    head: float  # LM head / embedding phase
+    update: float  # the optimizer phase
+    temp: float
+    host_activations: float = 0.0  # offloaded activations (remat offload_dots)
+
+    @property
+    def arguments(self) -> float:
+        return self.params + self.optimizer + self.batch
+
+    @property
+    def peak(self) -> float:
+        return self.arguments + self.temp
+
+
+def saved_activations(profile: ModelProfile, policy: str, shape: TokenShape) -> tuple[float, float]:
+    """(device, host) bytes of the residuals every layer keeps for the backward pass. A pattern
+    stack (a switch over kinds) keeps what every kind of it would save, per layer, unless only
+    the layer input is kept (`full`)."""
+    device_policy = "full" if policy == "offload_dots" else policy
+    per_kind = {k.kind: k.bytes(device_policy, shape) for k in profile.kinds}
+    host_kind = {k.kind: k.bytes("dots_no_batch", shape) if policy == "offload_dots" else 0.0
+                 for k in profile.kinds}
+    pattern_kinds = [k.kind for k in profile.kinds if k.in_pattern]
+    device = host = 0.0
+    for path in profile.sequence:
+        kind = profile.kind(path)
+        if kind.in_pattern and device_policy != "full":
+            device += sum(per_kind[p] for p in pattern_kinds)
+        else:
+            device += per_kind[path]
+        host += host_kind[path]
+    return device, host
+
+
+def estimate_memory(profile: ModelProfile, state: StateBytes, *, policy: str, sizes: dict[str, int],
+                    rules_name: str, global_batch: int, seq_len: int, microbatches: int, loss_chunk: int,
+                    platform: Platform = GPU, pipeline_ticks: int = 0, pipeline_passes: int = 1,
+                    pipeline_work: float = 1.0) -> MemoryEstimate:
+    """The memory of one train step per device (module docstring), the model's layers under
+    remat `policy`. With a pipeline: the ticks and passes of its schedule, and a stage's slots
+    per pass relative to an even share of the layers (`pipeline_work`, > 1 with padding)."""
+    data_parallel = sizes["data"] * sizes["expert"]
+    rows = global_batch / microbatches / data_parallel
+    length = seq_len / sizes["context"]
+    shape = TokenShape(rows=rows, length=length, full_length=seq_len, tensor=sizes["tensor"],
+                       sequence_parallel=rules_name.split("+")[0].endswith("_sp"), widen_half=platform.widen_half)
+    # XLA:CPU widens the activations it keeps across the scan of layers, not the transient ones
+    working = dataclasses.replace(shape, widen_half=False)
+    saved, host_saved = saved_activations(profile, policy, shape)
+    if sizes["pipeline"] > 1:
+        # A stage keeps its slots' activations for every tick it has a microbatch in flight.
+        in_flight = pipeline_work * pipeline_ticks / (sizes["pipeline"] * pipeline_passes)
+        saved, host_saved = saved * in_flight, host_saved * in_flight
+
+    # Gradients are laid out like the optimizer state (XLA reduce-scatters them for a sharded
+    # optimizer: ZeRO-1 holds ZeRO-3's gradients).
+    moment = sum(leaf.optimizer_bytes_per_device for leaf in state.leaves)  # float32, like one Adam moment
+    gradients = moment * (2 if microbatches > 1 else 1)
+
+    layer_leaves = [leaf for leaf in state.leaves if leaf.in_layers]
+    other_leaves = [leaf for leaf in state.leaves if not leaf.in_layers]
+    def unreduced_gradients(leaves) -> float:
+        """Float32 gradients at the compute layout, where the optimizer layout is split further
+        (FSDP, ZeRO-1): they exist until reduce-scattered."""
+        return sum(F32 / leaf.itemsize * leaf.gathered_bytes for leaf in leaves
+                   if leaf.optimizer_bytes_per_device < leaf.gathered_bytes * leaf.layer_count)
+
+    def gathered_copies(leaves) -> float:  # FSDP's float32 copy of a weight, gathered for compute
+        return sum(leaf.gathered_bytes for leaf in leaves if leaf.gather_axes)
+
+    layer_backward = 0.0
+    for kind in profile.kinds:
+        leaves = [leaf for leaf in layer_leaves if tuple(leaf.path[:len(kind.kind)]) == kind.kind]
+        layer_backward = max(layer_backward, kind.bytes("none", working) + gathered_copies(leaves)
+                             + unreduced_gradients(leaves))
+    compute_itemsize = profile.compute_itemsize
+    # The LM head (or the tied embedding) cast to the compute dtype for the logits' matmul.
+    head_leaves = ([leaf for leaf in other_leaves if leaf.names[-1:] == ("vocab",)]
+                   or [leaf for leaf in other_leaves if "vocab" in leaf.names])  # tied: the embedding
+    head_weights = sum(leaf.gathered_bytes * compute_itemsize / leaf.itemsize for leaf in head_leaves)
+    vocab_local = profile.vocab / sizes["tensor"]
+    logits = rows * min(loss_chunk, length) * vocab_local * (F32 * LOGIT_COPIES + compute_itemsize)
+    head = head_weights + unreduced_gradients(other_leaves) + logits
+
+    backward = saved + gradients + max(layer_backward, head)
+    update = 3 * moment
+    batch = BATCH_ARRAYS * 4 * global_batch * seq_len / (data_parallel * sizes["context"])
+    return MemoryEstimate(params=state.params, optimizer=state.optimizer, optimizer_host=state.optimizer_host,
+                          batch=batch, saved_activations=saved, gradients=gradients, layer_backward=layer_backward,
+                          head=head, update=update, temp=max(backward, update), host_activations=host_saved)

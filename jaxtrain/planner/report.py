@@ -1,0 +1,51 @@
+"""The planner's output: the ranked table, the gin bindings of the best layouts, and the
+predicted-against-compiled table of `--verify`."""
+from __future__ import annotations
+
+from jaxtrain.planner.planner import Evaluation
+
+GIB = 2 ** 30
+
+
+def ranked_table(ranked: list[Evaluation], top: int) -> str:
+    head = (f"{'#':>3}  {'layout':<62} {'remat':<13} {'state':>7} {'temp':>7} {'peak':>7} {'claim':>7} {'fits':>4} "
+            f"{'step s':>7} {'tok/s/dev':>9} {'MFU':>5}  exposed comm")
+    lines = [head, "-" * len(head)]
+    for i, e in enumerate(ranked[:top], 1):
+        m, t = e.memory, e.time
+        exposed = ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in sorted(t.by_kind.items(), key=lambda kv: -kv[1])
+                            if k in ("tensor", "experts", "pipeline", "host") and v >= 5e-4)
+        if t.bubble:
+            exposed = ", ".join(filter(None, [exposed, f"bubble {1e3 * t.bubble:.0f} ms"]))
+        if t.hidden_comm > t.compute:
+            exposed = ", ".join(filter(None, [exposed, f"unhidden {1e3 * (t.hidden_comm - t.compute):.0f} ms"]))
+        layout = e.candidate.label().rsplit(" remat=", 1)[0]
+        lines.append(f"{i:>3}  {layout:<62} {e.candidate.remat:<13} {m.arguments / GIB:>7.1f} {m.temp / GIB:>7.1f} "
+                     f"{m.peak / GIB:>7.1f} {e.claimed_bytes / GIB:>7.1f} {'yes' if e.fits else 'no':>4} "
+                     f"{t.total:>7.3f} {e.tokens_per_sec_per_device:>9.0f} {100 * e.mfu:>4.0f}%  {exposed or '-'}")
+    return "\n".join(lines)
+
+
+def gin_bindings(e: Evaluation, model_class: str) -> str:
+    """What to put in a gin file (or pass as --gin_param) to run this layout."""
+    return f'Experiment.layout = "{e.candidate.spec()}"\n{model_class}.remat = "{e.candidate.remat}"'
+
+
+def verify_table(rows: list[tuple[Evaluation, object, dict]]) -> str:
+    """rows: (evaluation, the prediction for the compiling platform, compiled figures in GiB)."""
+    head = (f"{'layout':<62} {'remat':<13} {'args pred':>9} {'args XLA':>9} {'err':>6} {'temp pred':>9} "
+            f"{'temp XLA':>9} {'err':>6} {'peak XLA':>8} {'claim':>7}  within claim")
+    lines = [head, "-" * len(head)]
+    for e, predicted, compiled in rows:
+        layout = e.candidate.label().rsplit(" remat=", 1)[0]
+        if "error" in compiled:
+            lines.append(f"{layout:<62} {e.candidate.remat:<13} compile failed: {compiled['error']}")
+            continue
+        args, temp = compiled["argument_gb"], compiled["temp_gb"]
+        claim = predicted.peak * (1 + compiled["margin"]) / GIB
+        lines.append(
+            f"{layout:<62} {e.candidate.remat:<13} {predicted.arguments / GIB:>9.2f} {args:>9.2f} "
+            f"{predicted.arguments / GIB / args - 1:>+6.1%} {predicted.temp / GIB:>9.2f} {temp:>9.2f} "
+            f"{predicted.temp / GIB / temp - 1:>+6.1%} {args + temp:>8.2f} {claim:>7.2f}  "
+            f"{'yes' if args + temp <= claim else 'NO'}")
+    return "\n".join(lines)
