@@ -35,7 +35,8 @@ FAST_MODULES = {
 
 # Tests that start several jax processes on localhost (jax.distributed, gloo collectives): whole
 # modules, or single tests by name.
-MULTIPROCESS = {"test_multihost", "test_peer_faults", "test_stops", "test_cli_across_two_processes"}
+MULTIPROCESS = {"test_multihost", "test_peer_faults", "test_stops", "test_cli_across_two_processes",
+                "test_one_group_per_process_trains_as_one_process"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,10 +4,7 @@ data shards and process-local batches assembled into global arrays; also with on
 stage per process, where both processes feed the same rows. A two-process checkpoint resumes
 in one process (the data iterator's position comes from another process count's files)."""
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import gin
 import numpy as np
@@ -17,8 +14,8 @@ from jaxtrain.training.config import load_experiment, parse_gin
 from jaxtrain.cli.launch import DEFAULT_GIN
 from jaxtrain.training.trainer import Trainer
 from ports import reserved_port
+from processes import start_train_processes, wait_for
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BINDINGS = ["LlamaConfig.embed=32", "LlamaConfig.layers=2", "LlamaConfig.mlp=64", "LlamaConfig.heads=4",
             "LlamaConfig.kv_heads=2", "TrainConfig.seq_len=32",
             "TrainConfig.eval_batches=1", "TrainConfig.steps=6", "TrainConfig.checkpoint_every=3", "MeshConfig.data=8"]
@@ -42,20 +39,9 @@ def single_process(tmp_path_factory):
 ], ids=["data", "pipeline_across_processes"])
 def test_two_processes_match_one(tmp_path, layout, single_process):
     bindings = BINDINGS + layout
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
     with reserved_port() as port:  # held until the coordinator has come and gone
-        procs = [subprocess.Popen(
-            [sys.executable, "-m", "jaxtrain.cli.train", f"--workdir={tmp_path / 'multi'}",
-             *[f"--gin_param={b}" for b in bindings], f"--coordinator_address=localhost:{port}",
-             "--num_processes=2", f"--process_id={i}"],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-        outputs = []
-        for p in procs:
-            try:
-                outputs.append(p.communicate(timeout=300)[0])
-            finally:
-                p.kill()
+        procs = start_train_processes(tmp_path / "multi", bindings, port)
+        outputs = wait_for(procs)
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outputs)
     rows = [json.loads(line) for line in (tmp_path / "multi" / "metrics.jsonl").read_text().splitlines()]
     multi = [r["loss"] for r in rows if r["kind"] == "train"]
