@@ -15,8 +15,10 @@ import pytest
 
 from helpers import TINY_LLAMA, assert_finite, assert_trees_close, random_packed_batch
 from jaxtrain.api import Run
+from jaxtrain.cli import eval as eval_cli
 from jaxtrain.cli.launch import DEFAULT_GIN
-from jaxtrain.data.packing import make_train_iterator
+from jaxtrain.data.packing import make_train_iterator, tokenize_text_stream
+from jaxtrain.data.tokenizer import load_tokenizer
 from jaxtrain.training.config import TrainConfig, load_experiment, parse_gin
 from jaxtrain.training.device_groups import DeviceGroups
 from jaxtrain.training.parallel_plan import ParallelPlan
@@ -99,10 +101,11 @@ TWO_PROCESS_BINDINGS = [
     "Experiment.layout='data=4,microbatches=4'", "DeviceGroups.rows=(12, 4)"]
 
 
-def test_one_group_per_process_trains_as_one_process(tmp_path):
+def test_one_group_per_process_trains_as_one_process(tmp_path, capsys):
     """The CLI in two processes of 4 devices (gin DeviceGroups.rows: process 0's group takes 12 rows,
     process 1's 4) against one process running the plain plan on the same corpus batches: the
-    losses, and the parameters its final checkpoint restores into a run without groups."""
+    losses, the parameters its final checkpoint restores into a run without groups, and the eval
+    CLI on its workdir."""
     with reserved_port() as port:
         procs = start_train_processes(tmp_path, TWO_PROCESS_BINDINGS, port, xla_flags=(
             "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"))
@@ -131,6 +134,21 @@ def test_one_group_per_process_trains_as_one_process(tmp_path):
     want_params = jax.device_get(one.params)
     assert one.restore(str(tmp_path / "checkpoints")) == t.steps
     assert_trees_close(jax.device_get(one.params), want_params, rtol=1e-5, atol=1e-7)
+
+    # The eval CLI reads the workdir's config (groups and all) and scores on the first group's devices.
+    text = tmp_path / "text.txt"
+    text.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+                    "must be in want of a wife." * 4)
+    try:
+        assert eval_cli.main([f"--workdir={tmp_path}", f"--data={text}"]) == 0
+    finally:
+        gin.clear_config()
+    scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    want_eval = eval_cli.evaluate_stream(one.setup, one.state["params"], tokenize_text_stream(text, "bytes"),
+                                         seq_len=t.seq_len, stride=t.seq_len // 2, batch_size=t.global_batch,
+                                         pad_id=load_tokenizer("bytes").pad_id)
+    assert scored["checkpoint_step"] == t.steps and scored["tokens"] == want_eval["tokens"]
+    np.testing.assert_allclose(scored["loss"], want_eval["loss"], rtol=1e-5)
 
 
 @pytest.mark.parametrize("plan,groups,devices,message", [

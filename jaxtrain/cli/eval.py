@@ -51,22 +51,29 @@ def main(argv=None) -> int:
 
     import dataclasses
 
+    import jax
+
     from jaxtrain.checkpoints.checkpointer import CheckpointError, Checkpointer
     from jaxtrain.training.config import load_experiment
     from jaxtrain.data.packing import tokenize_text_stream
     from jaxtrain.training.parallel_plan import ParallelPlan
     from jaxtrain.resilience import exit_codes
     from jaxtrain.data.tokenizer import load_tokenizer
+    from jaxtrain.training.device_groups import split_devices
     from jaxtrain.training.train_setup import build_train_setup
 
     try:
         exp = load_experiment()
         seq_len = args.seq_len or exp.train.seq_len
         batch_size = args.batch_size or exp.train.global_batch
+        plan = ParallelPlan.from_experiment(exp)
+        devices = None
+        if exp.groups is not None and exp.groups.rows:  # a run over device groups: its first group's layout
+            devices = split_devices(jax.devices(), len(exp.groups.rows), plan.mesh)[0]
         # The run's own layout, sized for the eval windows (checked here, before any restore).
-        setup = build_train_setup(exp.model, ParallelPlan.from_experiment(exp),
+        setup = build_train_setup(exp.model, plan,
                                   dataclasses.replace(exp.train, seq_len=seq_len, global_batch=batch_size),
-                                  exp.optimizer)
+                                  exp.optimizer, devices)
         checkpointer = Checkpointer(os.path.join(args.workdir, "checkpoints"))
         step = checkpointer.latest_step()
         if step is None:

@@ -91,10 +91,11 @@ class BatchShares:
         return (k * total + self.first(g) + i).reshape(-1)
 
 
-def split_devices(devices, count: int, group_size: int | None = None) -> list[list]:
+def split_devices(devices, count: int, mesh_config: MeshConfig) -> list[list]:
     """The devices of `count` groups. `devices`: a list of lists (the groups, as given) or a flat
     list, cut into `count` equal consecutive ranges in (process, id) order (of the first
-    count x group_size devices when the group's mesh has a fixed size)."""
+    count x its size when the group's mesh has a fixed size)."""
+    group_size = None if -1 in mesh_config.sizes().values() else mesh_config.fixed_device_count()
     devices = list(devices)
     if devices and isinstance(devices[0], (list, tuple, np.ndarray)):
         groups = [list(np.asarray(g).flat) for g in devices]

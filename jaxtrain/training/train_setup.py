@@ -125,9 +125,8 @@ def build_train_setup(model_cfg, plan: ParallelPlan, train, optimizer: Optimizer
 def _build_grouped_train_setup(model_cfg, plan: ParallelPlan, train, optimizer: OptimizerConfig, devices,
                                groups: DeviceGroups) -> GroupedTrainSetup:
     shares = groups.shares(train.global_batch, plan.microbatches)
-    fixed = None if -1 in plan.mesh.sizes().values() else plan.mesh.fixed_device_count()
     devices = jax.devices() if devices is None else devices
-    layout = GroupLayout(plan.mesh, split_devices(devices, len(shares.rows), fixed))
+    layout = GroupLayout(plan.mesh, split_devices(devices, len(shares.rows), plan.mesh))
     group_shape = layout.group_shape
     if group_shape["pipeline"] > 1:
         raise ValueError(f"pipeline={group_shape['pipeline']} within device groups is not supported: lay each "
