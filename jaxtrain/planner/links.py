@@ -32,16 +32,26 @@ def slowest_link(axes, sizes: dict[str, int], devices_per_node: int) -> str | No
     return INTER if INTER in links else INTRA if links else None
 
 
+DATA_SHEET = "data sheet"
+# Large collectives reach about this fraction of a link's data-sheet bandwidth (nccl-tests bus
+# bandwidth against line rate); measured figures are used as they are.
+DATA_SHEET_EFFICIENCY = 0.8
+
+
 class LinkTable:
     """GB/s per link class for one device group; from the spec, or from measurements."""
 
     def __init__(self, intra_gbps: float, inter_gbps: float, between_groups_gbps: float | None = None,
-                 source: str = "data sheet"):
+                 source: str = DATA_SHEET):
         self.gbps = {INTRA: intra_gbps, INTER: inter_gbps, BETWEEN_GROUPS: between_groups_gbps or inter_gbps}
         self.source = source
 
     def seconds(self, link: str | None, bus_bytes: float) -> float:
-        return 0.0 if link is None or not bus_bytes else bus_bytes / (self.gbps[link] * 1e9)
+        """Time for `bus_bytes` of bus traffic per device over `link` (None: no traffic)."""
+        if link is None or not bus_bytes:
+            return 0.0
+        efficiency = DATA_SHEET_EFFICIENCY if self.source == DATA_SHEET else 1.0
+        return bus_bytes / (self.gbps[link] * 1e9 * efficiency)
 
     def with_measurements(self, path: str, devices_per_node: int) -> "LinkTable":
         """This table with the classes the collectives bench measured replaced by its figures."""
@@ -64,6 +74,8 @@ class LinkTable:
         if not best:
             raise ValueError(f"{path}: no collectives-bench rows over an axis of size > 1")
         out = LinkTable(self.gbps[INTRA], self.gbps[INTER], self.gbps[BETWEEN_GROUPS], source=path)
+        for link in set(out.gbps) - set(best):  # classes it did not measure: their data-sheet figure's reach
+            out.gbps[link] *= DATA_SHEET_EFFICIENCY
         for link, (_, busbw) in best.items():
             out.gbps[link] = busbw
         return out

@@ -91,13 +91,15 @@ class Planner:
         return state_bytes(self._shapes(sizes["pipeline"], candidate.plan.pipeline if sizes["pipeline"] > 1 else None),
                            sizes, get_rule_set(candidate.plan.rules))
 
-    def memory(self, candidate: Candidate, state: StateBytes, platform: Platform | None = None) -> MemoryEstimate:
+    def memory(self, candidate: Candidate, state: StateBytes, platform: Platform | None = None,
+               global_batch: int | None = None) -> MemoryEstimate:
+        """`global_batch`: another batch than the workload's (a device group's share)."""
         plan, w = candidate.plan, self.workload
         sizes = plan.mesh.sizes()
         ticks, passes, work = self._ticks(candidate)
         return estimate_memory(self.profile, state, policy=candidate.remat, sizes=sizes, rules_name=plan.rules,
-                               global_batch=w.global_batch, seq_len=w.seq_len, microbatches=plan.microbatches,
-                               loss_chunk=w.loss_chunk, platform=platform or self.platform, pipeline_ticks=ticks,
+                               global_batch=global_batch or w.global_batch, seq_len=w.seq_len,
+                               microbatches=plan.microbatches, loss_chunk=w.loss_chunk, platform=platform or self.platform, pipeline_ticks=ticks,
                                pipeline_passes=passes, pipeline_work=work)
 
     def _ticks(self, candidate: Candidate) -> tuple[int, int, float]:

@@ -25,8 +25,9 @@ pipeline bubble, and what overlaps.
                 critical path
     pipeline    the step takes ticks / (microbatches x passes) times the work of one pass
 
-Efficiencies are assumptions (`Efficiency`), stated in the planner's output: the ranking
-depends on them less than the absolute times do.
+The matmul efficiency (`Efficiency`) and the links' reach of their data-sheet bandwidth
+(links.py) are assumptions, stated in the planner's output: the ranking depends on them less
+than the absolute times do.
 """
 from __future__ import annotations
 
@@ -43,7 +44,6 @@ RECOMPUTE = {"none": 0.0, "full": 1 / 3, "dots": 1 / 6, "dots_no_batch": 1 / 6, 
 @dataclasses.dataclass(frozen=True)
 class Efficiency:
     matmul: float = 0.65  # fraction of peak FLOP/s the step's matmuls reach
-    link: float = 0.80  # fraction of a link's data-sheet bandwidth large collectives reach (ignored for measured links)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +86,6 @@ def estimate_time(profile: ModelProfile, state: StateBytes, *, policy: str, flop
     model_flops = flops_per_token * global_batch * seq_len
     executed = model_flops * (1 + RECOMPUTE.get(policy, 0.0)) * pipeline_work
     compute = executed / devices / (peak_flops * efficiency.matmul)
-    scale = efficiency.link if links.source == "data sheet" else 1.0
     by_kind: dict[str, float] = {}
 
     def add(kind: str, op: str, axes, nbytes: float, repeats: float = 1.0):
@@ -94,7 +93,7 @@ def estimate_time(profile: ModelProfile, state: StateBytes, *, policy: str, flop
         if not axes or not nbytes:
             return
         link = BETWEEN_GROUPS if set(axes) & set(group_axes) else slowest_link(axes, sizes, devices_per_node)
-        by_kind[kind] = by_kind.get(kind, 0.0) + repeats * links.seconds(link, _bus(op, _size(axes, sizes), nbytes)) / scale
+        by_kind[kind] = by_kind.get(kind, 0.0) + repeats * links.seconds(link, _bus(op, _size(axes, sizes), nbytes))
 
     data_parallel = sizes["data"] * sizes["expert"]
     stage_layers = 1.0 / sizes["pipeline"]

@@ -1,0 +1,231 @@
+"""The layout planner's parts on tiny models (no compiles): state bytes against the run's own
+shardings on a real mesh, the layers' residuals, link classes, shares for mixed groups, the
+cluster description's errors, the CLI. Predicted against compiled memory at full size is
+tests/test_planner_full_size.py."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+
+import gin
+import numpy as np
+import pytest
+
+from jaxtrain.cli import plan as plan_cli
+from jaxtrain.planner.candidates import Candidate, candidates
+from jaxtrain.planner.cluster import Cluster, ClusterError
+from jaxtrain.planner.layer_profile import profile_model
+from jaxtrain.planner.links import INTER, INTRA, LinkTable, axis_link
+from jaxtrain.planner.mixed import balance
+from jaxtrain.planner.planner import NoLayoutFits, Planner, Workload, require_fit
+from jaxtrain.training.config import TrainConfig, load_experiment, parse_gin
+from jaxtrain.training.optim import OptimizerConfig
+from jaxtrain.training.parallel_plan import ParallelPlan
+from jaxtrain.training.train_setup import build_train_setup
+from meshes.sharding_audit import audit_sharding
+
+from helpers import TINY_LLAMA
+
+
+def _model(gin_file: str):
+    gin.clear_config()
+    try:
+        parse_gin([gin_file], [])
+        return load_experiment().model
+    finally:
+        gin.clear_config()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {"llama": TINY_LLAMA, "deepseek": _model("configs/deepseek_v2_tiny.gin"),
+            "nemotron_h": _model("configs/nemotron_h_tiny.gin")}
+
+
+def _planner(model, devices=16, device="H100", **workload):
+    group = Cluster.from_args(cluster=None, device=device, devices=devices).groups[0]
+    w = Workload(model, **{"global_batch": 16, "seq_len": 32, "loss_chunk": 16, **workload})
+    return Planner(w, group, LinkTable(group.spec.intra_node_gbps, group.spec.inter_node_gbps))
+
+
+# ---- state bytes: the planner's abstract arithmetic against the run's real shardings ----------
+
+@pytest.mark.parametrize("family,spec", [
+    ("llama", "data=16,rules=dp"),
+    ("llama", "data=4,tensor=4,rules=fsdp"),
+    ("llama", "data=8,tensor=2,rules=zero1+opt_host"),
+    ("llama", "pipeline=2,data=4,tensor=2,rules=fsdp,microbatches=2"),
+    ("deepseek", "data=2,context=2,expert=2,tensor=2,rules=fsdp+experts_folded"),
+    ("deepseek", "data=4,expert=4,rules=zero1+expert_tp"),
+    ("deepseek", "pipeline=2,data=2,context=2,tensor=2,rules=fsdp+experts_folded,microbatches=2"),
+    ("nemotron_h", "data=8,tensor=2,rules=fsdp_sp"),
+])
+def test_state_bytes_equal_the_runs_own_shardings(models, family, spec):
+    model = models[family]
+    plan = ParallelPlan.parse(spec)
+    setup = build_train_setup(model, plan, TrainConfig(global_batch=16, seq_len=32), OptimizerConfig())
+    params = audit_sharding(setup.state.abstract["params"], name="params")
+    opt = audit_sharding(setup.state.abstract["opt_state"], name="opt")
+    planned = _planner(model).state(Candidate(plan, "none"))
+    assert planned.params == params.bytes_per_device > 0
+    assert planned.optimizer == opt.bytes_per_device
+    assert planned.optimizer_host == opt.host_bytes_per_device
+    assert ("opt_host" in spec) == (planned.optimizer_host > 0)
+
+
+# ---- what the layers keep for the backward pass --------------------------------------------
+
+@pytest.mark.parametrize("family", ["llama", "deepseek", "nemotron_h"])
+def test_remat_full_keeps_only_each_layers_inputs_and_the_policies_are_ordered(models, family):
+    model = models[family]
+    profile = profile_model(dataclasses.replace(model, remat="none"))
+    itemsize = np.dtype(getattr(model, "dtype", "float32")).itemsize
+    for kind in profile.kinds:
+        full = kind.residuals["full"]
+        # the residual stream, and the positions and segment ids where the layer reads them
+        stream = profile.embed * itemsize
+        assert sum(r.token_bytes for r in full) in (stream, stream + 4, stream + 8), kind.kind
+        assert sum(r.fixed_bytes for r in full) < 1024  # constants such as RoPE's frequencies, no weights
+        per_token = {p: sum(r.token_bytes for r in kind.residuals[p]) for p in ("none", "dots_no_batch", "full")}
+        assert per_token["none"] > per_token["dots_no_batch"] > per_token["full"], (kind.kind, per_token)
+        # without remat a bf16 model keeps its weights cast for the matmuls: about a copy of the layer
+        assert sum(r.fixed_bytes for r in kind.residuals["none"]) <= kind.param_bytes
+    assert profile.non_layer_params + sum(k.params * k.count for k in profile.kinds) == model.param_count()
+    experts = [k for k in profile.kinds if k.top_k]
+    assert (family == "llama") == (not experts)
+
+
+# ---- links and shares -------------------------------------------------------------------------
+
+def test_an_axis_crosses_nodes_when_its_devices_span_more_than_one():
+    sizes = dict(pipeline=1, data=2, context=1, expert=1, tensor=8)
+    assert axis_link("tensor", sizes, 8) == INTRA and axis_link("data", sizes, 8) == INTER
+    sizes = dict(pipeline=2, data=2, context=1, expert=1, tensor=4)
+    assert axis_link("data", sizes, 8) == INTRA and axis_link("pipeline", sizes, 8) == INTER
+
+
+def test_measured_links_take_the_largest_messages_bus_bandwidth(tmp_path):
+    mesh = dict(pipeline=1, data=2, context=1, expert=1, tensor=8)
+    rows = [dict(mesh=mesh, axes="tensor", op="all_reduce", bytes=2**20, busbw_GBps=40.0),
+            dict(mesh=mesh, axes="tensor", op="all_reduce", bytes=2**28, busbw_GBps=360.0),
+            dict(mesh=mesh, axes="data", op="all_gather", bytes=2**28, busbw_GBps=41.0),
+            dict(mesh=mesh, axes="data+tensor", op="all_reduce", bytes=2**26, busbw_GBps=30.0)]
+    path = tmp_path / "links.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    links = LinkTable(450, 50).with_measurements(str(path), devices_per_node=8)
+    assert links.gbps[INTRA] == 360.0 and links.gbps[INTER] == 41.0
+    assert links.seconds(INTER, 41e9) == pytest.approx(1.0)  # measured figures are used as they are
+    path.write_text('{"axes": "data"}\n')
+    with pytest.raises(ValueError, match=r"links.jsonl:1: not a collectives-bench row"):
+        LinkTable(450, 50).with_measurements(str(path), devices_per_node=8)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_balanced_shares_are_the_best_split(seed):
+    rng = np.random.default_rng(seed)
+    groups = int(rng.integers(2, 4))
+    seconds = tuple(rng.uniform(0.1, 1.0, groups))
+    total = int(rng.integers(groups, 12))
+    best = min((s for s in itertools.product(range(1, total + 1), repeat=groups) if sum(s) == total),
+               key=lambda s: max(m * t for m, t in zip(s, seconds)))
+    shares = balance(total, seconds)
+    assert sum(shares) == total and min(shares) >= 1
+    assert max(m * t for m, t in zip(shares, seconds)) == pytest.approx(max(m * t for m, t in zip(best, seconds)))
+
+
+# ---- the cluster description ------------------------------------------------------------------
+
+@pytest.mark.parametrize("description,message", [
+    ({"groups": []}, "'groups' must be a non-empty list"),
+    ({"groups": [{"kind": "H100"}]}, "group 0: missing 'devices'"),
+    ({"groups": [{"devices": 8}]}, "group 0: missing 'kind'"),
+    ({"groups": [{"kind": "H100", "devices": 12}]}, "12 devices are not whole nodes of 8"),
+    ({"groups": [{"kind": "TPU v9", "devices": 8, "memory_gib": 64}]},
+     "kind 'TPU v9' is not built in, so it needs every figure; missing peak_tflops"),
+    ({"groups": [{"kind": "H100", "devices": 8, "peak_tflops": -1}]}, "'peak_tflops' must be a positive number"),
+    ({"groups": [{"kind": "H100", "devices": 8, "hbm": 80}]}, "unknown field(s) ['hbm']"),
+    ({"groups": [{"kind": "H100", "devices": 8}, {"kind": "H100", "devices": 8}]}, "group names must differ"),
+    ({"groups": [{"kind": "H100", "devices": 8}], "links": "nowhere.jsonl"}, "links file"),
+])
+def test_bad_cluster_descriptions_name_the_group_and_field(tmp_path, description, message):
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(description))
+    with pytest.raises(ClusterError) as err:
+        Cluster.from_args(cluster=str(path), device=None, devices=None)
+    assert message in str(err.value)
+
+
+def test_devices_that_do_not_add_up_are_refused(tmp_path):
+    path = tmp_path / "mixed.json"
+    path.write_text(json.dumps({"groups": [{"name": "a", "kind": "H100", "devices": 8},
+                                           {"name": "b", "kind": "RTX PRO 6000", "devices": 8}]}))
+    with pytest.raises(ClusterError, match="--devices 24 does not match the 16 devices"):
+        Cluster.from_args(cluster=str(path), device=None, devices=24)
+    with pytest.raises(ClusterError, match="needs --devices N"):
+        Cluster.from_args(cluster=None, device="H100", devices=None)
+    with pytest.raises(ValueError, match="unknown device kind 'H300'"):
+        Cluster.from_args(cluster=None, device="H300", devices=8)
+    cluster = Cluster.from_args(cluster=str(path), device=None, devices=16)
+    assert cluster.mixed and cluster.devices == 16
+
+
+# ---- planning -------------------------------------------------------------------------------
+
+def test_a_model_that_fits_no_layout_is_told_how_far_it_is():
+    from models.llama import LlamaConfig
+    big = LlamaConfig(vocab_size=128256, embed=4096, layers=32, heads=32, kv_heads=8, mlp=14336, dtype="bfloat16")
+    planner = _planner(big, devices=2, device="A100", global_batch=8, seq_len=4096, loss_chunk=1024)
+    ranked = planner.rank(candidates(2, devices_per_node=8, layers=32, seq_len=4096, global_batch=8,
+                                     has_experts=False))
+    assert ranked and not any(e.fits for e in ranked)
+    with pytest.raises(NoLayoutFits) as err:
+        require_fit(ranked, planner)
+    text = str(err.value)
+    assert "no layout fits A100's memory: the smallest" in text and "GiB usable" in text
+    best = ranked[0]
+    assert f"({best.claimed_bytes / planner.budget:.2f}x)" in text and best.claimed_bytes > planner.budget
+
+
+def test_ranked_layouts_fit_and_are_fastest_first(models):
+    planner = _planner(models["deepseek"])
+    ranked = planner.rank(candidates(16, devices_per_node=8, layers=planner.layers, seq_len=32, global_batch=16,
+                                     has_experts=True, remats=("full",), host_optimizer=False))
+    fitting = [e for e in ranked if e.fits]
+    assert fitting and all(e.claimed_bytes <= planner.budget for e in fitting)
+    times = [e.time.total for e in fitting]
+    assert times == sorted(times)
+    assert not any(e.fits for e in ranked[len(fitting):])
+    # layouts a run refuses are not ranked: heads=4 cannot split over tensor=8
+    assert all(e.candidate.plan.mesh.tensor <= 4 for e in ranked)
+    assert any("heads" in reason or "divisible" in reason for reason in planner.refused)
+
+
+def test_cli_prints_the_table_and_the_gin_bindings(capsys):
+    assert plan_cli.main(["--gin_file=configs/default.gin", "--device", "H100", "--devices", "8", "--top", "4",
+                          "--remat", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "layouts can run" in out and "tok/s/dev" in out
+    assert 'Experiment.layout = "pipeline=' in out and 'LlamaConfig.remat = "full"' in out
+
+
+def test_cli_on_a_mixed_cluster_balances_the_shares(tmp_path, capsys):
+    path = tmp_path / "mixed.json"
+    path.write_text(json.dumps({"groups": [{"name": "fast", "kind": "H100", "devices": 8},
+                                           {"name": "slow", "kind": "A100", "devices": 8}]}))
+    assert plan_cli.main(["--gin_file=configs/llama3_8b.gin", f"--cluster={path}", "--global_batch", "32",
+                          "--remat", "full", "--no_host_offload", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    shares = json.loads(out.split("DeviceGroups.rows = ")[1].split("\n")[0].replace("(", "[").replace(")", "]"))
+    assert sum(shares) == 32 and shares[0] > shares[1]  # the H100s take the larger share
+    assert "pipeline across the groups" in out and "cannot give that stage fewer layers" in out
+
+
+def test_cli_bad_cluster_is_one_line_and_exit_2(tmp_path, capsys):
+    path = tmp_path / "c.json"
+    path.write_text("{not json")
+    with pytest.raises(SystemExit) as stop:
+        plan_cli.main(["--gin_file=configs/default.gin", f"--cluster={path}"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cluster description") and "not valid JSON" in err and "\n" not in err
