@@ -10,7 +10,7 @@ ARGS ?=
 # Whole modules go to one worker (loadscope) so module fixtures (reference runs) are built once.
 TEST_WORKERS ?= 2
 
-.PHONY: train test test-fast test-reference venv clean
+.PHONY: train test test-fast test-reference test-full-size venv clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,7 @@ train: $(VENV)/.stamp
 	$(PY) -m jaxtrain.train --gin_file=configs/default.gin --workdir=runs/default $(ARGS)
 
 test: $(VENV)/.stamp
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope -m "not reference_layout" $(ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope -m "not reference_layout and not full_size" $(ARGS)
 
 # The quick unit-level modules (tests/conftest.py FAST_MODULES), for the edit-test loop: < 3 min.
 test-fast: $(VENV)/.stamp
@@ -34,6 +34,11 @@ test-fast: $(VENV)/.stamp
 # on two cores, so it is its own target; CI runs it after the suite.
 test-reference: $(VENV)/.stamp
 	JAXTRAIN_SLOW_TESTS=1 $(PY) -m pytest tests -m reference_layout $(ARGS)
+
+# The layout planner against XLA's compiled memory at full size (Llama-3-8B, DeepSeek-V2-Lite,
+# Nemotron-3-Nano; compile only, ~10 full-size compiles): its own target; CI runs it too.
+test-full-size: $(VENV)/.stamp
+	$(PY) -m pytest tests -m full_size -s $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs

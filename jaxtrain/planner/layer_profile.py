@@ -159,6 +159,17 @@ def _profile_kind(path, stack, count: int, in_pattern: bool, embed: int, dtype, 
     return LayerKind(path, count, in_pattern, params, param_bytes, tensor_params, top_k, residuals)
 
 
+def pipelined_policy(policy: str, passes: int) -> str:
+    """The remat policy a layer effectively runs under inside a pipeline stage. The stage
+    program is vmapped over the stages, which gives every matmul a batch dimension: the policies
+    that save only matmuls without one (`dots_no_batch`, `offload_dots`) then save nothing, as
+    `full`. With several passes (interleaved) a layer without remat runs under `dots`
+    (models/stage_program.py)."""
+    if policy in ("dots_no_batch", "offload_dots"):
+        return "full"
+    return "dots" if passes > 1 and policy == "none" else policy
+
+
 @functools.lru_cache(maxsize=16)
 def profile_model(model_cfg) -> ModelProfile:
     """The ModelProfile of a model config (frozen dataclass: cached per config)."""

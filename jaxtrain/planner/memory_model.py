@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxtrain.planner.layer_profile import ModelProfile, TokenShape
+from jaxtrain.planner.layer_profile import ModelProfile, TokenShape, pipelined_policy
 from jaxtrain.planner.state_bytes import StateBytes
 
 F32 = 4
-LOGIT_COPIES = 3  # float32 logits, their softmax and their gradient, per loss chunk
+LOGIT_COPIES = 2  # float32 logits and their gradient, per loss chunk
 BATCH_ARRAYS = 5  # inputs, targets, segment_ids, positions, loss_mask: 4 bytes per token each
 
 
@@ -102,6 +102,8 @@ def estimate_memory(profile: ModelProfile, state: StateBytes, *, policy: str, si
                        sequence_parallel=rules_name.split("+")[0].endswith("_sp"), widen_half=platform.widen_half)
     # XLA:CPU widens the activations it keeps across the scan of layers, not the transient ones
     working = dataclasses.replace(shape, widen_half=False)
+    if sizes["pipeline"] > 1:
+        policy = pipelined_policy(policy, pipeline_passes)
     saved, host_saved = saved_activations(profile, policy, shape)
     if sizes["pipeline"] > 1:
         # A stage keeps its slots' activations for every tick it has a microbatch in flight.

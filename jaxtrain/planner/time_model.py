@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxtrain.planner.layer_profile import ModelProfile
+from jaxtrain.planner.layer_profile import ModelProfile, pipelined_policy
 from jaxtrain.planner.links import BETWEEN_GROUPS, LinkTable, slowest_link
 from jaxtrain.planner.state_bytes import TOKEN_AXES, StateBytes
 
@@ -83,6 +83,8 @@ def estimate_time(profile: ModelProfile, state: StateBytes, *, policy: str, flop
     with `+opt_host`, offloaded activations) over a `host_gbps` link; `group_axes`: axes whose
     collectives cross between device groups (mixed clusters)."""
     devices = _size(sizes, sizes)
+    if sizes["pipeline"] > 1:
+        policy = pipelined_policy(policy, pipeline_passes)
     model_flops = flops_per_token * global_batch * seq_len
     executed = model_flops * (1 + RECOMPUTE.get(policy, 0.0)) * pipeline_work
     compute = executed / devices / (peak_flops * efficiency.matmul)
