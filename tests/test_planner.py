@@ -229,3 +229,44 @@ def test_cli_bad_cluster_is_one_line_and_exit_2(tmp_path, capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: cluster description") and "not valid JSON" in err and "\n" not in err
+
+
+def test_shares_follow_a_calibration_run_over_the_time_model(tmp_path):
+    """Measured step times (`bench step --json` rows, one per device kind) decide the shares."""
+    from jaxtrain.planner.mixed import plan_groups
+    cluster_file = tmp_path / "mixed.json"
+    cluster_file.write_text(json.dumps({"groups": [{"name": "a", "kind": "H100", "devices": 8},
+                                                   {"name": "b", "kind": "H200", "devices": 8}]}))
+    cluster = Cluster.load(str(cluster_file))
+    workload = Workload(TINY_LLAMA, global_batch=32, seq_len=32, loss_chunk=16)
+    links = LinkTable(450, 50)
+    predicted = plan_groups(workload, cluster, links, remats=("full",), host_optimizer=False)
+    assert not predicted[0].measured
+    # H100 and H200 have the same peak FLOP/s: predicted alike, so shared evenly
+    assert predicted[0].balanced == predicted[0].even
+    rows = [{"device_kind": "NVIDIA H100 80GB HBM3", "step_time_s": 3.0, "global_batch": 8, "seq_len": 1024,
+             "layout": "data=8", "microbatches": 1},
+            {"device_kind": "NVIDIA H200", "step_time_s": 1.0, "global_batch": 8, "seq_len": 1024,
+             "layout": "data=8", "microbatches": 1}]
+    calibration = tmp_path / "calibration.jsonl"
+    calibration.write_text("\n".join(json.dumps(r) for r in rows))
+    measured = plan_groups(workload, cluster, links, remats=("full",), host_optimizer=False,
+                           calibration=str(calibration))
+    best = measured[0]
+    assert best.measured and best.microbatch_seconds[0] == pytest.approx(3 * best.microbatch_seconds[1])
+    a, b = best.balanced
+    assert b > a and best.step_seconds(best.balanced) < best.step_seconds(best.even)
+
+
+def test_the_collectives_bench_output_is_read_as_link_figures(tmp_path):
+    """Rows written by `python -m jaxtrain.bench collectives --json` on a real (CPU) mesh."""
+    from jaxtrain.cli.bench_collectives import run_all, write_json
+    from meshes.mesh import MeshConfig, build_mesh
+    mesh = build_mesh(MeshConfig(data=2, tensor=8))
+    rows = run_all(mesh, [("tensor",), ("data",)], ["all_reduce"], [4096, 65536], iters=2, repeats=1)
+    path = tmp_path / "links.jsonl"
+    write_json(rows, str(path), "cpu", dict(mesh.shape))
+    links = LinkTable(450, 50).with_measurements(str(path), devices_per_node=8)
+    largest = {r["axes"]: r["busbw_GBps"] for r in rows if r["bytes"] == 65536}
+    assert links.gbps[INTRA] == largest["tensor"] and links.gbps[INTER] == largest["data"]
+    assert links.source == str(path)

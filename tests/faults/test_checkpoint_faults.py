@@ -46,6 +46,14 @@ def flip_bytes(step_dir):
     path.write_bytes(bytes(data))
 
 
+def params_of_another_step(step_dir):
+    """The params item replaced by step 3's: every file intact and readable, every value wrong.
+    Only the fingerprints in step 6's manifest can tell (a bit flip in a compressed chunk may
+    instead fail to decode, depending on where the flip lands)."""
+    shutil.rmtree(step_dir / "params")
+    shutil.copytree(step_dir.parent / "3" / "params", step_dir / "params")
+
+
 def truncate(step_dir):
     path = largest_file(step_dir / "params")
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
@@ -60,7 +68,8 @@ def garble_array_metadata(step_dir):
 
 
 @pytest.mark.parametrize("damage, says", [
-    (flip_bytes, "fingerprint mismatch"),
+    (params_of_another_step, "fingerprint mismatch"),
+    (flip_bytes, "step 6:"),  # a fingerprint mismatch, or a chunk that no longer decodes
     (truncate, "step 6:"),
     (garble_step_metadata, "step 6: unreadable step metadata"),
     (garble_array_metadata, "step 6: cannot be read"),
@@ -84,7 +93,7 @@ def test_corrupt_newest_step_falls_back_and_trains_on_identically(reference, tmp
 
 def test_strict_restore_exits_with_one_line_and_moves_nothing(reference, tmp_path):
     workdir = died_after_step_8(reference, tmp_path)
-    flip_bytes(workdir / "checkpoints" / "6")
+    params_of_another_step(workdir / "checkpoints" / "6")
     proc = train(workdir, "TrainConfig.steps=9", "TrainConfig.strict_restore=True", *EVERY)
     assert proc.returncode == exit_codes.CHECKPOINT, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("error: step 6: ")
