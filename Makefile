@@ -10,7 +10,7 @@ ARGS ?=
 # Whole modules go to one worker (loadscope) so module fixtures (reference runs) are built once.
 TEST_WORKERS ?= 2
 
-.PHONY: train test test-fast test-reference test-full-size venv clean
+.PHONY: train test test-fast test-e2e test-reference test-full-size venv clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,12 @@ train: $(VENV)/.stamp
 	$(PY) -m jaxtrain.train --gin_file=configs/default.gin --workdir=runs/default $(ARGS)
 
 test: $(VENV)/.stamp
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope -m "not reference_layout and not full_size" $(ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope -m "not reference_layout and not full_size and not end_to_end" $(ARGS)
+
+# Fault injections (tests/faults/), multi-process runs and the GPU check's dry run: each test
+# starts real processes of the CLIs or scripts. CI runs it after `make test`.
+test-e2e: $(VENV)/.stamp
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope -m "end_to_end" $(ARGS)
 
 # The quick unit-level modules (tests/conftest.py FAST_MODULES), for the edit-test loop: < 3 min.
 test-fast: $(VENV)/.stamp

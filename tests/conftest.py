@@ -38,10 +38,16 @@ FAST_MODULES = {
 MULTIPROCESS = {"test_multihost", "test_peer_faults", "test_stops", "test_cli_across_two_processes",
                 "test_one_group_per_process_trains_as_one_process"}
 
+# Modules outside tests/faults/ that run whole scripts in subprocesses (besides MULTIPROCESS).
+END_TO_END = {"test_gpu_check"}
+
 
 def pytest_collection_modifyitems(config, items):
     """Markers by module: `fast` (FAST_MODULES), `slow` (everything else: end-to-end runs,
-    full-size compiles, CLIs), `multiprocess` (MULTIPROCESS), `gpu` (the kernel tests, which
+    full-size compiles, CLIs), `multiprocess` (MULTIPROCESS), `end_to_end` (the fault injections
+    of tests/faults/, the multi-process runs and the GPU check's dry run: each starts real
+    processes of the CLIs or scripts, a third of the suite's time, so they are their own lane,
+    `make test-e2e`, which CI runs after `make test`), `gpu` (the kernel tests, which
     benchmarks/gpu_check.sh runs natively on a GPU; on CPU they run the kernels interpreted)."""
     import pytest
     for item in items:
@@ -49,5 +55,8 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.fast if module in FAST_MODULES else pytest.mark.slow)
         if module in MULTIPROCESS or item.originalname in MULTIPROCESS:
             item.add_marker(pytest.mark.multiprocess)
+            item.add_marker(pytest.mark.end_to_end)
+        if "faults" in item.path.parts or module in END_TO_END:
+            item.add_marker(pytest.mark.end_to_end)
         if module.startswith("test_kernels_"):
             item.add_marker(pytest.mark.gpu)

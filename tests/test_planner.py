@@ -201,12 +201,19 @@ def test_ranked_layouts_fit_and_are_fastest_first(models):
     assert any("heads" in reason or "divisible" in reason for reason in planner.refused)
 
 
-def test_cli_prints_the_table_and_the_gin_bindings(capsys):
+def test_cli_prints_the_table_and_the_gin_bindings(tmp_path, capsys):
+    out_json = tmp_path / "ranked.jsonl"
     assert plan_cli.main(["--gin_file=configs/default.gin", "--device", "H100", "--devices", "8", "--top", "4",
-                          "--remat", "full"]) == 0
+                          "--remat", "full", f"--json={out_json}"]) == 0
     out = capsys.readouterr().out
     assert "layouts can run" in out and "tok/s/dev" in out
     assert 'Experiment.layout = "pipeline=' in out and 'LlamaConfig.remat = "full"' in out
+    records = [json.loads(line) for line in out_json.read_text().splitlines()]
+    best = records[0]
+    assert best["fits"] and best["layout"] in out
+    parts = best["params_gib"] + best["optimizer_gib"]
+    assert parts < best["arguments_gib"] < best["peak_gib"] < best["claimed_gib"]
+    assert [r["step_s"] for r in records if r["fits"]] == sorted(r["step_s"] for r in records if r["fits"])
 
 
 def test_cli_on_a_mixed_cluster_balances_the_shares(tmp_path, capsys):

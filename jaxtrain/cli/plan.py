@@ -141,9 +141,13 @@ def main(argv=None) -> int:
 
 def evaluation_record(e) -> dict:
     m, t = e.memory, e.time
+    gib = 2 ** 30
     return {"layout": e.candidate.spec(), "remat": e.candidate.remat, "fits": e.fits,
-            "arguments_gib": m.arguments / 2**30, "temp_gib": m.temp / 2**30, "peak_gib": m.peak / 2**30,
-            "claimed_gib": e.claimed_bytes / 2**30, "step_s": t.total, "compute_s": t.compute,
+            "params_gib": m.params / gib, "optimizer_gib": m.optimizer / gib, "optimizer_host_gib": m.optimizer_host / gib,
+            "gradients_gib": m.gradients / gib, "saved_activations_gib": m.saved_activations / gib,
+            "host_activations_gib": m.host_activations / gib,
+            "arguments_gib": m.arguments / gib, "temp_gib": m.temp / gib, "peak_gib": m.peak / gib,
+            "claimed_gib": e.claimed_bytes / gib, "step_s": t.total, "compute_s": t.compute,
             "tokens_per_sec_per_device": e.tokens_per_sec_per_device, "mfu": e.mfu,
             "collectives_s": t.by_kind, "bubble_s": t.bubble}
 

@@ -8,8 +8,10 @@ GIB = 2 ** 30
 
 
 def ranked_table(ranked: list[Evaluation], top: int) -> str:
-    head = (f"{'#':>3}  {'layout':<62} {'remat':<13} {'state':>7} {'temp':>7} {'peak':>7} {'claim':>7} {'fits':>4} "
-            f"{'step s':>7} {'tok/s/dev':>9} {'MFU':>5}  exposed comm")
+    """Per device, GiB: parameters, optimizer state (+ host), gradients, saved activations, all
+    temporaries, the peak and the claim (peak + margin); then time."""
+    head = (f"{'#':>3}  {'layout':<62} {'remat':<13} {'params':>6} {'optim':>6} {'grads':>6} {'acts':>6} "
+            f"{'temp':>6} {'peak':>6} {'claim':>6} {'fits':>4} {'step s':>7} {'tok/s/dev':>9} {'MFU':>5}  exposed comm")
     lines = [head, "-" * len(head)]
     for i, e in enumerate(ranked[:top], 1):
         m, t = e.memory, e.time
@@ -20,8 +22,12 @@ def ranked_table(ranked: list[Evaluation], top: int) -> str:
         if t.hidden_comm > t.compute:
             exposed = ", ".join(filter(None, [exposed, f"unhidden {1e3 * (t.hidden_comm - t.compute):.0f} ms"]))
         layout = e.candidate.label().rsplit(" remat=", 1)[0]
-        lines.append(f"{i:>3}  {layout:<62} {e.candidate.remat:<13} {m.arguments / GIB:>7.1f} {m.temp / GIB:>7.1f} "
-                     f"{m.peak / GIB:>7.1f} {e.claimed_bytes / GIB:>7.1f} {'yes' if e.fits else 'no':>4} "
+        optimizer = f"{m.optimizer / GIB:.1f}"
+        if m.optimizer_host:
+            optimizer = f"{m.optimizer_host / GIB:.0f}h"  # in host memory
+        lines.append(f"{i:>3}  {layout:<62} {e.candidate.remat:<13} {m.params / GIB:>6.1f} {optimizer:>6} "
+                     f"{m.gradients / GIB:>6.1f} {m.saved_activations / GIB:>6.1f} {m.temp / GIB:>6.1f} "
+                     f"{m.peak / GIB:>6.1f} {e.claimed_bytes / GIB:>6.1f} {'yes' if e.fits else 'no':>4} "
                      f"{t.total:>7.3f} {e.tokens_per_sec_per_device:>9.0f} {100 * e.mfu:>4.0f}%  {exposed or '-'}")
     return "\n".join(lines)
 
