@@ -277,3 +277,40 @@ def test_the_collectives_bench_output_is_read_as_link_figures(tmp_path):
     largest = {r["axes"]: r["busbw_GBps"] for r in rows if r["bytes"] == 65536}
     assert links.gbps[INTRA] == largest["tensor"] and links.gbps[INTER] == largest["data"]
     assert links.source == str(path)
+
+
+def test_expert_exchange_rows_are_what_the_traced_step_receives(models):
+    """The planner's receive-buffer rows of a MoE layer against the all-to-all the step really
+    traces (meshes/expert_exchange.py): EP 4 over data, tensor 2 as expert data parallel."""
+    import jax
+    from jax.extend.core import ClosedJaxpr, Jaxpr
+
+    from jaxtrain.planner.layer_profile import TokenShape
+    from jaxtrain.planner.memory_model import received_rows
+
+    model, spec = models["deepseek"], "data=4,tensor=2,rules=fsdp+experts_folded"
+    train = TrainConfig(global_batch=16, seq_len=32)
+    plan = ParallelPlan.parse(spec)
+    setup = build_train_setup(model, plan, train, OptimizerConfig(), devices=jax.devices()[:8])
+    jaxpr = jax.make_jaxpr(setup.train_step)(setup.state.abstract, setup.abstract_batch(16, 32))
+
+    def all_to_all_rows(j):
+        for eqn in j.eqns:
+            if eqn.primitive.name == "all_to_all" and eqn.invars[0].aval.ndim == 3:  # [devices, slots, embed]
+                yield eqn.invars[0].aval.shape[0] * eqn.invars[0].aval.shape[1]
+            for value in eqn.params.values():
+                for sub in (value if isinstance(value, (tuple, list)) else (value,)):
+                    if isinstance(sub, ClosedJaxpr):
+                        yield from all_to_all_rows(sub.jaxpr)
+                    elif isinstance(sub, Jaxpr):
+                        yield from all_to_all_rows(sub)
+
+    traced = set(all_to_all_rows(jaxpr.jaxpr))
+    planner = _planner(model)
+    candidate = Candidate(plan, "none")
+    state = planner.state(candidate)
+    moe = next(k for k in planner.profile.kinds if k.top_k)
+    leaves = [leaf for leaf in state.leaves if tuple(leaf.path[:len(moe.kind)]) == moe.kind]
+    rows, ep, etp = received_rows(moe, leaves, plan.mesh.sizes(), TokenShape(rows=16 / 4, length=32, full_length=32))
+    assert (ep, etp) == (4, 1)
+    assert traced == {rows}, (traced, rows)

@@ -1,13 +1,14 @@
 """The planner against XLA at full size (compile only, 16 simulated CPU devices): its top three
 layouts for two dense models compile and stay within the memory they claim, argument memory is
 within 3% of XLA's on every full-size layout here (dense, MoE and hybrid; with and without a
-pipeline, FSDP, ZeRO-1, expert folding), and temp memory within 25% on the dense ones.
+pipeline, FSDP, ZeRO-1, expert folding), and temp memory within 25% on all of them.
 
 Compile-only at full size takes minutes on two cores (DeepSeek-V2-Lite's MoE step alone about a
 minute), so these tests carry the `full_size` marker and run in `make test-full-size`, which CI
 runs after the suite. XLA:CPU's temp memory of a MoE step is not a GPU figure (the CPU grouped
 matmul's tile loop keeps transposed float32 copies of the gathered experts, and the CPU
-exchange is padded), so MoE temp is printed, not asserted.
+exchange is padded): the memory model's CPU platform carries constants for both, measured on
+other layouts (jaxtrain/planner/memory_model.py), and the MoE rows check it here.
 """
 from __future__ import annotations
 
@@ -110,9 +111,10 @@ def test_argument_memory_within_3_percent_of_xla(measured):
     assert {"pipeline", "no pipeline", "fsdp", "experts folded"} <= kinds, kinds
 
 
-def test_temp_memory_within_25_percent_on_dense_layouts(measured):
-    dense = [(k, v) for k, v in measured.items() if MODELS[k[0]][2]]
-    assert len(dense) >= 6
-    for (name, label), (_, _, predicted, compiled) in dense:
+def test_temp_memory_within_25_percent(measured):
+    """Dense layouts, and the MoE ones with the XLA:CPU constants of the memory model's CPU
+    platform (its grouped matmul's float32 transposes and padded exchange: memory_model.Platform)."""
+    assert sum(MODELS[name][2] for name, _ in measured) >= 6
+    for (name, label), (_, _, predicted, compiled) in measured.items():
         error = predicted.temp / GIB / compiled["temp_gb"] - 1
         assert abs(error) <= 0.25, (name, label, predicted.temp / GIB, compiled["temp_gb"])

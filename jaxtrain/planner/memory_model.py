@@ -37,12 +37,21 @@ BATCH_ARRAYS = 5  # inputs, targets, segment_ids, positions, loss_mask: 4 bytes 
 
 @dataclasses.dataclass(frozen=True)
 class Platform:
+    """How a compiler stores what the model counts. The GPU figures are the model's own; the CPU
+    ones describe XLA:CPU, which `--verify` and the tests compile on: it computes bf16 in
+    float32 and keeps the float32 activations; its grouped matmul (a loop over row tiles,
+    pallas_kernels/grouped_matmul_tiled.py) holds about 2.5 more float32 copies of the gathered
+    expert weights (transposes for the backward); its padded expert exchange about 3x the
+    buffers of the ragged one (masks, ids, float32 copies). The last two were measured on
+    DeepSeek-V2-Lite (FSDP 16, EP 8) and Nemotron-3-Nano and hold at DeepSeek-V2 236B with EP 32."""
     name: str
     widen_half: bool  # 2-byte float activations held as float32
+    expert_weight_copies: float = 0.0  # extra float32 copies of a MoE layer's gathered experts
+    exchange_factor: float = 1.0  # the expert exchange's buffers relative to the ragged exchange's
 
 
 GPU = Platform("gpu", widen_half=False)
-CPU = Platform("cpu", widen_half=True)
+CPU = Platform("cpu", widen_half=True, expert_weight_copies=2.5, exchange_factor=3.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +97,50 @@ def saved_activations(profile: ModelProfile, policy: str, shape: TokenShape) -> 
     return device, host
 
 
+EXCHANGE_COPIES = 4  # routed tokens received, expert outputs sent back, and both gradients
+EXPERT_HIDDEN_COPIES = 3  # gate, up and activation outputs of the received rows
+
+
+def received_rows(kind, leaves, sizes: dict[str, int], shape: TokenShape) -> tuple[float, int, int]:
+    """(rows a device's expert exchange receives into, EP size, ETP size) for one MoE layer.
+    Dropless expert parallelism sizes the receive buffer for every slot of every peer
+    (meshes/expert_exchange.py: static shapes; ragged on GPU, padded on CPU, the same size):
+    EP x the layer's own routed slots. Each device routes its share of the tokens: 1 / EDP of
+    them (EDP: the axes its experts are replicated over)."""
+    expert_leaves = [leaf for leaf in leaves if "experts" in leaf.names]
+    if not kind.top_k or not expert_leaves:
+        return 0.0, 1, 1
+    leaf = expert_leaves[0]
+    ep_axes = [a for a in leaf.compute_axes if a in ("data", "context", "expert")]
+    ep = 1
+    for a in ep_axes:
+        ep *= sizes[a]
+    etp = sizes["tensor"] if "tensor" in leaf.compute_axes else 1
+    edp = sizes["tensor"] if etp == 1 else 1
+    return ep * shape.rows * shape.length / edp * kind.top_k, ep, etp
+
+
+def exchange_buffers(kind, leaves, sizes: dict[str, int], shape: TokenShape, profile: ModelProfile,
+                     platform: Platform) -> float:
+    """Bytes of the received rows beyond the layer's own slots (the traced residuals hold
+    those): tokens in, outputs back and both gradients, and the experts' hidden activations."""
+    rows, ep, etp = received_rows(kind, leaves, sizes, shape)
+    if ep == 1:
+        return 0.0
+    hidden = _expert_hidden([leaf for leaf in leaves if "experts" in leaf.names], profile.embed)
+    widen = 2 if platform.widen_half and profile.compute_itemsize == 2 else 1
+    per_row = (EXCHANGE_COPIES * profile.embed + EXPERT_HIDDEN_COPIES * hidden / etp) * profile.compute_itemsize
+    return rows * (ep - 1) / ep * per_row * widen * platform.exchange_factor
+
+
+def _expert_hidden(expert_leaves, embed: int) -> int:
+    """One routed expert's hidden width, from its weights' logical names."""
+    for leaf in expert_leaves:
+        if "expert_mlp" in leaf.names:
+            return leaf.shape[leaf.names.index("expert_mlp")]
+    return embed
+
+
 def estimate_memory(profile: ModelProfile, state: StateBytes, *, policy: str, sizes: dict[str, int],
                     rules_name: str, global_batch: int, seq_len: int, microbatches: int, loss_chunk: int,
                     platform: Platform = GPU, pipeline_ticks: int = 0, pipeline_passes: int = 1,
@@ -124,13 +177,15 @@ def estimate_memory(profile: ModelProfile, state: StateBytes, *, policy: str, si
                    if leaf.optimizer_bytes_per_device < leaf.gathered_bytes * leaf.layer_count)
 
     def gathered_copies(leaves) -> float:  # FSDP's float32 copy of a weight, gathered for compute
-        return sum(leaf.gathered_bytes for leaf in leaves if leaf.gather_axes)
+        return sum(leaf.gathered_bytes * (1 + (platform.expert_weight_copies if "experts" in leaf.names else 0))
+                   for leaf in leaves if leaf.gather_axes)
 
     layer_backward = 0.0
     for kind in profile.kinds:
         leaves = [leaf for leaf in layer_leaves if tuple(leaf.path[:len(kind.kind)]) == kind.kind]
         layer_backward = max(layer_backward, kind.bytes("none", working) + gathered_copies(leaves)
-                             + unreduced_gradients(leaves))
+                             + unreduced_gradients(leaves) + exchange_buffers(kind, leaves, sizes, working,
+                                                                               profile, platform))
     compute_itemsize = profile.compute_itemsize
     # The LM head (or the tied embedding) cast to the compute dtype for the logits' matmul.
     head_leaves = ([leaf for leaf in other_leaves if leaf.names[-1:] == ("vocab",)]

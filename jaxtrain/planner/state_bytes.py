@@ -20,11 +20,12 @@ from jax.sharding import AbstractMesh, AxisType
 from meshes.mesh_config import AXES
 from meshes.rules import DATA_PARALLEL_AXES, RuleSet, spec_for
 
-# Axes a weight dimension may be split over only to save memory (FSDP / ZeRO): the axes the
-# tokens are split over. A weight split over them is gathered before it is used — except along
-# the dimensions a split of the work uses (routed experts under expert parallelism, stacked layers).
+# The axes the tokens are split over (data parallel and context parallel).
 TOKEN_AXES = DATA_PARALLEL_AXES + ("context",)
-COMPUTE_SPLIT_NAMES = ("experts", "stages", "layers")
+# Weight dimensions that rule tables split only to save memory (FSDP / ZeRO-3): the model width
+# of weights and of routed experts, MLA's ranks. A weight split along them is gathered before it
+# is used; splits along any other dimension (heads, mlp, experts, stages) divide the work.
+FSDP_NAMES = ("embed", "expert_embed", "q_lora", "kv_lora")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,7 @@ class StateShapes:
 class ParamLeaf:
     path: tuple
     names: tuple
+    shape: tuple  # global
     itemsize: int
     bytes_per_device: int
     layer_count: int  # layers stacked in this leaf on one device (1 for the embedding, head, norms)
@@ -151,15 +153,14 @@ def state_bytes(shapes: StateShapes, sizes: dict[str, int], rules: RuleSet) -> S
         depth = p.names.index("layers") + 1 if "layers" in p.names else 0
         local_layers = math.prod(-(-d // math.prod(sizes[a] for a in axes))
                                  for d, axes in zip(p.shape[:depth], spec[:depth]))
-        gather = tuple(a for name, axes in zip(p.names, spec) if name not in COMPUTE_SPLIT_NAMES
-                       for a in axes if a in TOKEN_AXES)
+        gather = tuple(a for name, axes in zip(p.names, spec) if name in FSDP_NAMES for a in axes)
         compute = tuple(a for axes in spec for a in axes if a not in gather)
         gathered = per_device * math.prod(sizes[a] for a in gather) // local_layers
         opt_spec = _axes(spec_for(p.names, p.shape, rules.optimizer_table, mesh), len(p.shape))
         moment = _shard_bytes(p.shape, opt_spec, sizes, p.itemsize)
         optimizer += moment * p.moments
-        leaves.append(ParamLeaf(p.path, p.names, p.itemsize, per_device, local_layers, gather, gathered, moment,
-                                compute))
+        leaves.append(ParamLeaf(p.path, p.names, p.shape, p.itemsize, per_device, local_layers, gather, gathered,
+                                moment, compute))
     optimizer += shapes.other_optimizer_bytes
     on_host = rules.optimizer_memory != "device"
     return StateBytes(params=sum(leaf.bytes_per_device for leaf in leaves),

@@ -111,6 +111,8 @@ def estimate_time(profile: ModelProfile, state: StateBytes, *, policy: str, flop
         if leaf.gather_axes:
             add("fsdp", "all_gather", leaf.gather_axes, full, 2 * per_microbatch)
         replicated = tuple(a for a in TOKEN_AXES if a not in leaf.compute_axes)
+        if "experts" in leaf.names and "tensor" not in leaf.compute_axes:
+            replicated += ("tensor",)  # expert data parallel: each tensor rank routed its share of the tokens
         sharded_for_optimizer = leaf.optimizer_bytes_per_device * layers < full if leaf.in_layers \
             else leaf.optimizer_bytes_per_device < full
         if sharded_for_optimizer:
