@@ -64,9 +64,11 @@ def _attention(name: str):
             "auto": impl.AutoAttention()}[name]
 
 
-def bench_layout(exp, plan, *, steps: int, compile_only: bool, max_replicated: float | None = None) -> dict:
+def bench_layout(exp, plan, *, steps: int, compile_only: bool, max_replicated: float | None = None,
+                 devices=None) -> dict:
     """`max_replicated`: fail the layout (ValueError) when more than this fraction of a
-    device's parameter bytes are replicated copies (MaxText's assert_params_sufficiently_sharded)."""
+    device's parameter bytes are replicated copies (MaxText's assert_params_sufficiently_sharded).
+    `devices`: the devices of the mesh (default: all)."""
     import jax
     import numpy as np
 
@@ -77,7 +79,7 @@ def bench_layout(exp, plan, *, steps: int, compile_only: bool, max_replicated: f
     from jaxtrain.training.train_setup import build_train_setup
 
     t = exp.train
-    setup = build_train_setup(exp.model, plan, t, exp.optimizer)
+    setup = build_train_setup(exp.model, plan, t, exp.optimizer, devices)
     abstract, step = setup.state.abstract, setup.train_step
     abstract_batch = setup.abstract_batch(t.global_batch, t.seq_len)
     audit = audit_sharding(setup.state.abstract["params"], name="params")

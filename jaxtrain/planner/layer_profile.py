@@ -71,6 +71,7 @@ class LayerKind:
     param_bytes: int  # their bytes (float32)
     tensor_params: int  # parameters of one layer split over tensor (heads, mlp, ... dims)
     top_k: int  # experts each token is routed to (0: no routed experts)
+    capacity_factor: float | None  # the router's capacity factor (None: dropless)
     residuals: dict  # remat policy -> tuple[Residual, ...] kept across the layer's backward
 
     def bytes(self, policy: str, shape: TokenShape) -> float:
@@ -155,8 +156,10 @@ def _profile_kind(path, stack, count: int, in_pattern: bool, embed: int, dtype, 
             out.append(Residual(fixed, per_token, square, any(d in tensor_sizes for d in fixed_dims),
                                 jnp.dtype(ra.dtype).itemsize))
         residuals[name] = tuple(out)
-    top_k = max((node.cfg.top_k for _, node in nnx.iter_graph(stack.layers) if isinstance(node, MoEBlock)), default=0)
-    return LayerKind(path, count, in_pattern, params, param_bytes, tensor_params, top_k, residuals)
+    routers = [node.cfg for _, node in nnx.iter_graph(stack.layers) if isinstance(node, MoEBlock)]
+    top_k = max((r.top_k for r in routers), default=0)
+    capacity = routers[0].capacity_factor if routers else None
+    return LayerKind(path, count, in_pattern, params, param_bytes, tensor_params, top_k, capacity, residuals)
 
 
 def pipelined_policy(policy: str, passes: int) -> str:

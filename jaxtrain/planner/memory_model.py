@@ -103,7 +103,9 @@ EXPERT_HIDDEN_COPIES = 3  # gate, up and activation outputs of the received rows
 
 def received_rows(kind, leaves, sizes: dict[str, int], shape: TokenShape) -> tuple[float, int, int]:
     """(rows a device's expert exchange receives into, EP size, ETP size) for one MoE layer.
-    Dropless expert parallelism sizes the receive buffer for every slot of every peer
+    With a capacity factor every expert takes at most cf x its share of the slots from each
+    peer, so a device receives cf x its own slots' worth. Dropless expert parallelism sizes the
+    receive buffer for every slot of every peer
     (meshes/expert_exchange.py: static shapes; ragged on GPU, padded on CPU, the same size):
     EP x the layer's own routed slots. Each device routes its share of the tokens: 1 / EDP of
     them (EDP: the axes its experts are replicated over)."""
@@ -117,7 +119,10 @@ def received_rows(kind, leaves, sizes: dict[str, int], shape: TokenShape) -> tup
         ep *= sizes[a]
     etp = sizes["tensor"] if "tensor" in leaf.compute_axes else 1
     edp = sizes["tensor"] if etp == 1 else 1
-    return ep * shape.rows * shape.length / edp * kind.top_k, ep, etp
+    slots = shape.rows * shape.length / edp * kind.top_k
+    if kind.capacity_factor is not None:  # fixed [peers, local experts, capacity] buffers: cf x the slots
+        return slots * kind.capacity_factor, ep, etp
+    return ep * slots, ep, etp
 
 
 def exchange_buffers(kind, leaves, sizes: dict[str, int], shape: TokenShape, profile: ModelProfile,
@@ -125,7 +130,7 @@ def exchange_buffers(kind, leaves, sizes: dict[str, int], shape: TokenShape, pro
     """Bytes of the received rows beyond the layer's own slots (the traced residuals hold
     those): tokens in, outputs back and both gradients, and the experts' hidden activations."""
     rows, ep, etp = received_rows(kind, leaves, sizes, shape)
-    if ep == 1:
+    if ep == 1 or kind.capacity_factor is not None:  # capacity buffers: the traced layer's own size
         return 0.0
     hidden = _expert_hidden([leaf for leaf in leaves if "experts" in leaf.names], profile.embed)
     widen = 2 if platform.widen_half and profile.compute_itemsize == 2 else 1

@@ -53,6 +53,7 @@ class StepTime:
     exposed_comm: float  # collectives on the critical path (tensor, experts, pipeline)
     bubble: float  # pipeline idle time
     by_kind: dict  # collective kind -> seconds
+    bytes_by_kind: dict  # collective kind -> bus bytes per device per step
 
     @property
     def total(self) -> float:
@@ -89,13 +90,16 @@ def estimate_time(profile: ModelProfile, state: StateBytes, *, policy: str, flop
     executed = model_flops * (1 + RECOMPUTE.get(policy, 0.0)) * pipeline_work
     compute = executed / devices / (peak_flops * efficiency.matmul)
     by_kind: dict[str, float] = {}
+    bytes_by_kind: dict[str, float] = {}
 
     def add(kind: str, op: str, axes, nbytes: float, repeats: float = 1.0):
         axes = tuple(a for a in axes if sizes[a] > 1)
         if not axes or not nbytes:
             return
         link = BETWEEN_GROUPS if set(axes) & set(group_axes) else slowest_link(axes, sizes, devices_per_node)
-        by_kind[kind] = by_kind.get(kind, 0.0) + repeats * links.seconds(link, _bus(op, _size(axes, sizes), nbytes))
+        bus = repeats * _bus(op, _size(axes, sizes), nbytes)
+        by_kind[kind] = by_kind.get(kind, 0.0) + links.seconds(link, bus)
+        bytes_by_kind[kind] = bytes_by_kind.get(kind, 0.0) + bus
 
     data_parallel = sizes["data"] * sizes["expert"]
     stage_layers = 1.0 / sizes["pipeline"]
@@ -152,7 +156,7 @@ def estimate_time(profile: ModelProfile, state: StateBytes, *, policy: str, flop
     if sizes["pipeline"] > 1 and pipeline_ticks:
         busy = microbatches * pipeline_passes
         bubble = compute * (pipeline_ticks - busy) / busy
-    return StepTime(compute, hidden, exposed, bubble, by_kind)
+    return StepTime(compute, hidden, exposed, bubble, by_kind, bytes_by_kind)
 
 
 def leaf_axes(leaf) -> tuple:
