@@ -1,8 +1,12 @@
-"""Per-expert feed-forward weights and their grouped computation on expert-sorted tokens.
+"""Per-expert feed-forward weights and their computation on routed tokens.
 
 One strategy per expert shape: gated (SwiGLU-style, DeepSeek) and plain (one up projection,
-Nemotron-H's squared ReLU). The grouped matmul is `pallas_kernels.grouped_matmul`, whose XLA
-path is `jax.lax.ragged_dot`.
+Nemotron-H's squared ReLU). Each computes two ways, with the same math:
+
+- `compute`: tokens sorted by expert, ragged groups (the dropless dispatch). The grouped matmul
+  is `pallas_kernels.grouped_matmul`, whose XLA path is `jax.lax.ragged_dot`.
+- `compute_batched`: a fixed [experts, rows, embed] buffer, every expert the same number of rows
+  (the capacity dispatch): a dense batched einsum, static shapes on every backend.
 """
 from __future__ import annotations
 
@@ -12,6 +16,11 @@ from flax import nnx
 from models.layers.activations import activation as _activation
 from models.layers.params import normal, param
 from pallas_kernels.grouped_matmul import grouped_matmul
+
+
+def _batched_matmul(dtype):
+    """[e, n, k] x [e, k, m] -> [e, n, m]: one dense matmul per expert."""
+    return lambda a, w: jnp.einsum("enk,ekm->enm", a, w.astype(dtype))
 
 
 WEIGHT_AXES = {  # logical axes of each expert weight (`expert_embed`: FSDP splits it over EDP too)
@@ -37,8 +46,14 @@ class GatedExperts(nnx.Module):
 
     def compute(self, tokens, group_sizes, weights, kernels: str):
         """tokens [n, embed] sorted by expert; weights may be this device's slice of experts."""
-        x = tokens.astype(self.dtype)
         mm = lambda a, w: grouped_matmul(a, w.astype(self.dtype), group_sizes, impl=kernels)
+        return self._apply(tokens.astype(self.dtype), weights, mm)
+
+    def compute_batched(self, buffer, weights):
+        """buffer [e, n, embed] (n rows per expert, e = this device's experts) -> [e, n, embed]."""
+        return self._apply(buffer.astype(self.dtype), weights, _batched_matmul(self.dtype))
+
+    def _apply(self, x, weights, mm):
         h = _activation(self.activation)(mm(x, weights["gate"])) * mm(x, weights["up"])
         return mm(h, weights["down"])
 
@@ -57,8 +72,13 @@ class PlainExperts(nnx.Module):
         return {"up": self.up[...], "down": self.down[...]}
 
     def compute(self, tokens, group_sizes, weights, kernels: str):
-        x = tokens.astype(self.dtype)
         mm = lambda a, w: grouped_matmul(a, w.astype(self.dtype), group_sizes, impl=kernels)
+        return self._apply(tokens.astype(self.dtype), weights, mm)
+
+    def compute_batched(self, buffer, weights):
+        return self._apply(buffer.astype(self.dtype), weights, _batched_matmul(self.dtype))
+
+    def _apply(self, x, weights, mm):
         return mm(_activation(self.activation)(mm(x, weights["up"])), weights["down"])
 
 
