@@ -15,8 +15,16 @@ while attention uses `tensor x context x data`, is a table choice, not a code pa
   EDP axes    every other mesh axis: expert weights are replicated there, so each device takes
               its own slice of the (replicated) tokens and the outputs are gathered back
 
-The exchange (meshes/expert_exchange.py) never drops a token, so the result does not depend on
-the layout: `ragged_all_to_all` on GPU, a padded `all_to_all` with the same results elsewhere.
+How routed slots reach their experts is a dispatch strategy, chosen by the router's
+capacity factor (`dispatch_for`):
+
+  DroplessDispatch  (no capacity) every slot is computed: slots sorted by expert, one grouped
+                    matmul; the exchange (meshes/expert_exchange.py) never drops a token, so the
+                    result does not depend on the layout: `ragged_all_to_all` on GPU, a padded
+                    `all_to_all` with the same results elsewhere.
+  CapacityDispatch  (meshes/expert_capacity.py) each expert takes at most ceil(cf x slots /
+                    experts) slots of each device's tokens into a fixed buffer: a dense batched
+                    matmul, a fixed-size all_to_all; cost proportional to cf.
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from meshes.expert_capacity import CapacityDispatch
 from meshes.expert_exchange import make_exchange
 from meshes.rules import RuleSet, spec_for
 
@@ -76,18 +85,6 @@ def resolve_layout(mesh, rules: RuleSet, x_shape, num_experts: int, hidden: int)
 
 # ---- one device's work --------------------------------------------------------------------
 
-def apply_capacity(expert_ids, num_experts: int, capacity_factor: float):
-    """Drops slots beyond ceil(cf * slots / experts) per expert (first choices before second
-    ones, earlier tokens first). Dropped slots get the id `num_experts`. Returns (ids, dropped)."""
-    t, k = expert_ids.shape
-    capacity = math.ceil(capacity_factor * t * k / num_experts)
-    priority = expert_ids.T.reshape(-1)  # all first choices, then all second choices, ...
-    onehot = jax.nn.one_hot(priority, num_experts, dtype=jnp.int32)
-    position = (jnp.cumsum(onehot, axis=0) * onehot).sum(-1) - 1
-    keep = (position < capacity).reshape(k, t).T
-    return jnp.where(keep, expert_ids, num_experts), (~keep).sum()
-
-
 def _count(ids, n: int):
     """Occurrences of 0..n-1 in ids (other values ignored)."""
     return jax.ops.segment_sum(jnp.ones(ids.shape, jnp.int32), ids, num_segments=n + 1)[:n]
@@ -118,8 +115,24 @@ def _exchange_compute_combine(x, expert_ids, weights, expert_weights, ffn, layou
     return jnp.einsum("tkd,tk->td", per_slot, weights.astype(per_slot.dtype)).astype(x.dtype)
 
 
-def _device_moe(x, logits, bias, expert_weights, *, route: Callable, ffn: Callable, layout: ExpertLayout | None,
-                num_experts: int, capacity_factor: float | None, exchange=None):
+@dataclasses.dataclass(frozen=True)
+class DroplessDispatch:
+    """Every routed slot is computed: slots sorted by expert, one grouped matmul."""
+
+    def __call__(self, x, expert_ids, weights, order, expert_weights, *, ffn, batched_ffn, layout, num_experts: int,
+                 exchange):
+        del batched_ffn  # the capacity dispatch's fixed-buffer compute
+        y = _exchange_compute_combine(x, expert_ids, weights, expert_weights, ffn, layout, num_experts, exchange, order)
+        return y, jnp.zeros((), jnp.float32)
+
+
+def dispatch_for(capacity_factor: float | None):
+    """The router config's choice: dropless without a capacity factor, else the capacity buffer."""
+    return DroplessDispatch() if capacity_factor is None else CapacityDispatch(capacity_factor)
+
+
+def _device_moe(x, logits, bias, expert_weights, *, route: Callable, ffn: Callable, batched_ffn: Callable | None,
+                layout: ExpertLayout | None, num_experts: int, dispatch, exchange=None):
     lead = x.shape[:-1]
     x2, lg = x.reshape(-1, x.shape[-1]), logits.reshape(-1, logits.shape[-1])
     t = x2.shape[0]
@@ -134,13 +147,9 @@ def _device_moe(x, logits, bias, expert_weights, *, route: Callable, ffn: Callab
              "score_sum": scores.sum(0),
              "z_sum": jnp.square(jax.nn.logsumexp(lg, axis=-1)).sum(),
              "entropy_sum": _entropy(scores).sum(),
-             "tokens": jnp.asarray(lg.shape[0], jnp.float32),
-             "dropped": jnp.zeros((), jnp.float32)}
-    if capacity_factor is not None:
-        expert_ids, dropped = apply_capacity(expert_ids, num_experts, capacity_factor)
-        stats["dropped"] = dropped.astype(jnp.float32)
-        order = None  # drops changed the ids: sort again
-    y = _exchange_compute_combine(x2, expert_ids, weights, expert_weights, ffn, layout, num_experts, exchange, order)
+             "tokens": jnp.asarray(lg.shape[0], jnp.float32)}
+    y, stats["dropped"] = dispatch(x2, expert_ids, weights, order, expert_weights, ffn=ffn, batched_ffn=batched_ffn,
+                                   layout=layout, num_experts=num_experts, exchange=exchange)
     if layout is not None:
         if layout.etp_axes:
             y = jax.lax.psum(y, layout.etp_axes)
@@ -163,17 +172,20 @@ def _platform(mesh) -> str:
 
 
 def moe_forward(x, logits, bias, expert_weights: dict, weight_axes: dict, *, route: Callable, ffn: Callable,
-                num_experts: int, hidden: int, capacity_factor: float | None = None, mesh=None, rules=None,
-                exchange: str = "auto"):
+                num_experts: int, hidden: int, batched_ffn: Callable | None = None, dispatch=None, mesh=None,
+                rules=None, exchange: str = "auto"):
     """x [b, l, d], router logits [b, l, e] -> (y [b, l, d], summed routing statistics).
 
     `route(logits [t, e], bias) -> (expert_ids [t, k], weights [t, k], scores [t, e], slots
     sorted by expert [t * k] or None)` and
-    `ffn(sorted_tokens [n, d], group_sizes [e_local], weights) -> [n, d]` come from the model.
-    Without a mesh (or outside `use_rules`) everything runs on one device. `exchange`:
-    auto | padded | ragged (meshes/expert_exchange.py).
+    `ffn(sorted_tokens [n, d], group_sizes [e_local], weights) -> [n, d]` come from the model, and
+    for the capacity dispatch `batched_ffn(buffer [e_local, n, d], weights) -> [e_local, n, d]`.
+    `dispatch`: `dispatch_for(capacity_factor)` (default dropless). Without a mesh (or outside
+    `use_rules`) everything runs on one device. `exchange`: auto | padded | ragged
+    (meshes/expert_exchange.py; the dropless dispatch's).
     """
-    kw = dict(route=route, ffn=ffn, num_experts=num_experts, capacity_factor=capacity_factor)
+    kw = dict(route=route, ffn=ffn, batched_ffn=batched_ffn, num_experts=num_experts,
+              dispatch=dispatch if dispatch is not None else DroplessDispatch())
     if mesh is None:
         return _device_moe(x, logits, bias, expert_weights, layout=None, **kw)
     layout = resolve_layout(mesh, rules, x.shape, num_experts, hidden)

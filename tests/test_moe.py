@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshes.experts import apply_capacity, moe_forward
+from meshes.expert_capacity import apply_capacity
+from meshes.experts import dispatch_for, moe_forward
 from meshes.mesh import MeshConfig, build_mesh
 from meshes.rules import get_rule_set, use_rules
 from models.layers.expert_ffn import WEIGHT_AXES, GatedExperts, PlainExperts
@@ -41,7 +42,8 @@ def run(x, logits, module, cfg, mesh=None, rules=None):
     route = make_route_fn(cfg, "xla")
     ffn = lambda tokens, sizes, w: module.compute(tokens, sizes, w, "xla")
     fn = lambda x, logits, w: moe_forward(x, logits, None, w, WEIGHT_AXES, route=route, ffn=ffn, num_experts=E,
-                                          hidden=H, capacity_factor=cfg.capacity_factor, mesh=mesh, rules=rules)
+                                          hidden=H, batched_ffn=module.compute_batched,
+                                          dispatch=dispatch_for(cfg.capacity_factor), mesh=mesh, rules=rules)
     if mesh is None:
         return fn(x, logits, module.weights())
     with use_rules(mesh, rules):

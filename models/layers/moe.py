@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from meshes.experts import moe_forward
+from meshes.experts import dispatch_for, moe_forward
 from meshes.rules import active_mesh, active_rules
 from models.layers.aux_outputs import AuxOutput
 from models.layers.dense import Dense
@@ -90,8 +90,8 @@ class MoEBlock(nnx.Module):
             h, logits, None if bias is None else bias[...], self.experts.weights(), WEIGHT_AXES,
             route=make_route_fn(self.cfg, kernels),
             ffn=lambda tokens, sizes, weights: self.experts.compute(tokens, sizes, weights, kernels),
-            num_experts=self.cfg.num_experts, hidden=self.expert_hidden, capacity_factor=self.cfg.capacity_factor,
-            mesh=active_mesh(), rules=active_rules())
+            batched_ffn=self.experts.compute_batched, dispatch=dispatch_for(self.cfg.capacity_factor),
+            num_experts=self.cfg.num_experts, hidden=self.expert_hidden, mesh=active_mesh(), rules=active_rules())
         if self.latent_up is not None:
             y = self.latent_up(y)
         if self.shared is not None:

@@ -30,7 +30,8 @@ class RouterConfig:
     aux_loss_weight: float = 0.0  # load-balancing loss E * sum_e f_e * P_e
     z_loss_weight: float = 0.0  # router z-loss mean(logsumexp(logits)^2)
     capacity_factor: float | None = None  # None: dropless; else each device keeps at most
-    #                                        ceil(cf * slots / experts) slots per expert
+    #   ceil(cf * slots / experts) slots per expert in a fixed buffer, computed densely
+    #   (meshes/expert_capacity.py): compute, memory and exchange proportional to cf
 
     def validate(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
