@@ -12,7 +12,10 @@ whether it fits 80 GB, step time, tokens per second per device, MFU). The layout
     per-component     attention and dense MLPs FSDP over data (x tensor parallel), routed experts
                       folded over the data axis (expert parallel, each device keeps its experts
                       and receives the tokens routed to them), tensor as their expert-data axis
-    + host optimizer  the same with Adam's moments in pinned host memory (`+opt_host`)
+    capacity 1.25     the same with a capacity factor: fixed [experts, capacity] buffers
+                      (meshes/expert_capacity.py) instead of dropless receive buffers sized
+                      for every peer's slots
+    host optimizer    Adam's moments in pinned host memory (`+opt_host`)
 
 XLA:CPU's temp memory of a MoE step overstates a GPU's (the CPU grouped matmul is a loop over
 tiles with float32 transposes, its expert exchange is a padded all-to-all); the planner's
@@ -26,17 +29,23 @@ import json
 import os
 import sys
 
+CAPACITY = "RouterConfig.capacity_factor=1.25"
 CASES = {
     "v2_lite": ("DeepSeek-V2-Lite (15.7B, 2.4B active)", ["configs/deepseek_v2_lite.gin"],
                 ["TrainConfig.global_batch=16"], 16, [
-                    ("pure FSDP", "data=16,rules=fsdp"),
-                    ("per-component: experts EP 8 over data, dense FSDP x TP 2", "data=8,tensor=2,rules=fsdp+experts_folded"),
-                    ("per-component + host optimizer", "data=8,tensor=2,rules=fsdp+experts_folded+opt_host"),
+                    ("pure FSDP", "data=16,rules=fsdp", []),
+                    ("per-component: experts EP 8 over data, dense FSDP x TP 2",
+                     "data=8,tensor=2,rules=fsdp+experts_folded", []),
+                    ("per-component, capacity 1.25", "data=8,tensor=2,rules=fsdp+experts_folded", [CAPACITY]),
+                    ("per-component, capacity 1.25, host optimizer",
+                     "data=8,tensor=2,rules=fsdp+experts_folded+opt_host", [CAPACITY]),
                 ]),
     "v2_236b": ("DeepSeek-V2 (236B, 21B active)", ["configs/deepseek_v2.gin"], [], 64, [
-        ("pure FSDP", "data=64,rules=fsdp"),
-        ("per-component: experts EP 32 over data, dense FSDP x TP 2", "data=32,tensor=2,rules=fsdp+experts_folded"),
-        ("per-component + host optimizer", "data=32,tensor=2,rules=fsdp+experts_folded+opt_host"),
+        ("pure FSDP", "data=64,rules=fsdp", []),
+        ("per-component: experts EP 32 over data, dense FSDP x TP 2", "data=32,tensor=2,rules=fsdp+experts_folded", []),
+        ("per-component, capacity 1.25", "data=32,tensor=2,rules=fsdp+experts_folded", [CAPACITY]),
+        ("per-component, capacity 1.25, host optimizer", "data=32,tensor=2,rules=fsdp+experts_folded+opt_host",
+         [CAPACITY]),
     ]),
 }
 
@@ -73,15 +82,15 @@ def main(argv=None) -> int:
     print("| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     for name in names:
         title, files, bindings, n, layouts = CASES[name]
-        gin.clear_config()
-        parse_gin(files, bindings)
-        exp = load_experiment()
-        gin.clear_config()
         group = Cluster.from_args(cluster=None, device="H100", devices=n).groups[0]
-        t = exp.train
-        planner = Planner(Workload(exp.model, t.global_batch, t.seq_len, t.loss_chunk, exp.optimizer), group,
-                          LinkTable(group.spec.intra_node_gbps, group.spec.inter_node_gbps))
-        for label, spec in layouts:
+        for label, spec, extra in layouts:
+            gin.clear_config()
+            parse_gin(files, bindings + extra)
+            exp = load_experiment()
+            gin.clear_config()
+            t = exp.train
+            planner = Planner(Workload(exp.model, t.global_batch, t.seq_len, t.loss_chunk, exp.optimizer), group,
+                              LinkTable(group.spec.intra_node_gbps, group.spec.inter_node_gbps))
             plan = ParallelPlan.from_experiment(exp).with_spec(spec)
             result = bench_layout(exp, plan, steps=0, compile_only=True, devices=jax.devices()[:n])
             e = planner.evaluate(Candidate(plan, exp.model.remat))
@@ -94,7 +103,7 @@ def main(argv=None) -> int:
                   f"{100 * e.mfu:.0f}% |", flush=True)
             if args.json:
                 with open(args.json, "a") as f:
-                    f.write(json.dumps({"model": name, "layout": spec, "argument_gib": result["argument_gb"],
+                    f.write(json.dumps({"model": name, "layout": spec, "bindings": extra, "argument_gib": result["argument_gb"],
                                         "temp_gib": result["temp_gb"], "collective_gib": collective / gib,
                                         "compile_s": result["compile_s"], "planned_peak_gib": e.memory.peak / gib,
                                         "planned_host_gib": e.memory.optimizer_host / gib, "fits": e.fits,

@@ -279,25 +279,29 @@ def test_the_collectives_bench_output_is_read_as_link_figures(tmp_path):
     assert links.source == str(path)
 
 
-def test_expert_exchange_rows_are_what_the_traced_step_receives(models):
+@pytest.mark.parametrize("capacity_factor", [None, 1.5])
+def test_expert_exchange_rows_are_what_the_traced_step_receives(models, capacity_factor):
     """The planner's receive-buffer rows of a MoE layer against the all-to-all the step really
-    traces (meshes/expert_exchange.py): EP 4 over data, tensor 2 as expert data parallel."""
+    traces (meshes/expert_exchange.py dropless: [EP, slots, d]; meshes/expert_capacity.py:
+    [EP, local experts, capacity, d]): EP 4 over data, tensor 2 as expert data parallel."""
     import jax
     from jax.extend.core import ClosedJaxpr, Jaxpr
 
     from jaxtrain.planner.layer_profile import TokenShape
     from jaxtrain.planner.memory_model import received_rows
 
-    model, spec = models["deepseek"], "data=4,tensor=2,rules=fsdp+experts_folded"
-    train = TrainConfig(global_batch=16, seq_len=32)
-    plan = ParallelPlan.parse(spec)
-    setup = build_train_setup(model, plan, train, OptimizerConfig(), devices=jax.devices()[:8])
+    model = models["deepseek"]
+    model = dataclasses.replace(model, router=dataclasses.replace(model.router, capacity_factor=capacity_factor))
+    plan = ParallelPlan.parse("data=4,tensor=2,rules=fsdp+experts_folded")
+    setup = build_train_setup(model, plan, TrainConfig(global_batch=16, seq_len=32), OptimizerConfig(),
+                              devices=jax.devices()[:8])
     jaxpr = jax.make_jaxpr(setup.train_step)(setup.state.abstract, setup.abstract_batch(16, 32))
 
-    def all_to_all_rows(j):
+    def all_to_all_rows(j):  # the token buffers: every dimension but the model width
         for eqn in j.eqns:
-            if eqn.primitive.name == "all_to_all" and eqn.invars[0].aval.ndim == 3:  # [devices, slots, embed]
-                yield eqn.invars[0].aval.shape[0] * eqn.invars[0].aval.shape[1]
+            shape = eqn.invars[0].aval.shape if eqn.invars else ()
+            if eqn.primitive.name == "all_to_all" and len(shape) >= 3 and shape[-1] == model.embed:
+                yield int(np.prod(shape[:-1]))
             for value in eqn.params.values():
                 for sub in (value if isinstance(value, (tuple, list)) else (value,)):
                     if isinstance(sub, ClosedJaxpr):
@@ -310,7 +314,9 @@ def test_expert_exchange_rows_are_what_the_traced_step_receives(models):
     candidate = Candidate(plan, "none")
     state = planner.state(candidate)
     moe = next(k for k in planner.profile.kinds if k.top_k)
+    assert moe.capacity_factor == capacity_factor
     leaves = [leaf for leaf in state.leaves if tuple(leaf.path[:len(moe.kind)]) == moe.kind]
     rows, ep, etp = received_rows(moe, leaves, plan.mesh.sizes(), TokenShape(rows=16 / 4, length=32, full_length=32))
-    assert (ep, etp) == (4, 1)
-    assert traced == {rows}, (traced, rows)
+    assert (ep, etp) == (4, 1) and len(traced) == 1
+    # capacity: ceil(cf x slots / experts) per expert, so at most one row more per expert
+    assert rows <= traced.pop() <= rows + model.router.num_experts, (traced, rows)
