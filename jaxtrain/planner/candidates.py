@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+from jaxtrain.planner.layer_profile import pipelined_policy
 from jaxtrain.training.parallel_plan import ParallelPlan
 from meshes.mesh_config import AXES, MeshConfig
 from meshes.pipeline_schedules import GPipe, Interleaved
@@ -112,6 +113,8 @@ def candidates(devices: int, *, devices_per_node: int, layers: int, seq_len: int
                 rule_names(sizes, has_experts, host_optimizer),
                 microbatch_counts(global_batch, data_parallel, sizes["pipeline"]),
                 schedules(sizes["pipeline"], layers), remats):
+            if sizes["pipeline"] > 1 and pipelined_policy(remat, schedule.virtual_stages) != remat:
+                continue  # the same program as another policy's inside a pipeline stage
             pipeline = dataclasses.replace(base.pipeline, schedule=schedule, stages_layers=None)
             yield Candidate(dataclasses.replace(base, mesh=mesh, rules=rules, microbatches=microbatches,
                                                 pipeline=pipeline), remat)
