@@ -26,8 +26,9 @@ train: $(VENV)/.stamp
 test: $(VENV)/.stamp
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope -m "not reference_layout and not full_size and not end_to_end" $(ARGS)
 
-# Fault injections (tests/faults/), multi-process runs and the GPU check's dry run: each test
-# starts real processes of the CLIs or scripts. CI runs it after `make test`.
+# Tests that start real processes of the CLIs, scripts or a Jupyter kernel: fault injections
+# (tests/faults/), multi-process runs, the GPU check's dry run, the CLI, profiler and notebook
+# runs (tests/conftest.py END_TO_END). CI runs it after `make test`.
 test-e2e: $(VENV)/.stamp
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope -m "end_to_end" $(ARGS)
 

@@ -38,16 +38,19 @@ FAST_MODULES = {
 MULTIPROCESS = {"test_multihost", "test_peer_faults", "test_stops", "test_cli_across_two_processes",
                 "test_one_group_per_process_trains_as_one_process"}
 
-# Modules outside tests/faults/ that run whole scripts in subprocesses (besides MULTIPROCESS).
-END_TO_END = {"test_gpu_check"}
+# Modules (or single tests, by name) outside tests/faults/ that start real processes of the CLIs,
+# scripts or a Jupyter kernel (besides MULTIPROCESS).
+END_TO_END = {"test_gpu_check", "test_cli", "test_profiling", "test_notebook",
+              "test_cli_table_json_and_plot_on_16_devices"}
 
 
 def pytest_collection_modifyitems(config, items):
     """Markers by module: `fast` (FAST_MODULES), `slow` (everything else: end-to-end runs,
     full-size compiles, CLIs), `multiprocess` (MULTIPROCESS), `end_to_end` (the fault injections
-    of tests/faults/, the multi-process runs and the GPU check's dry run: each starts real
-    processes of the CLIs or scripts, a third of the suite's time, so they are their own lane,
-    `make test-e2e`, which CI runs after `make test`), `gpu` (the kernel tests, which
+    of tests/faults/, the multi-process runs, the GPU check's dry run, the CLI, profiler and
+    notebook runs: each starts real processes of the CLIs, scripts or a Jupyter kernel, 40% of
+    the suite's time, so they are their own lane, `make test-e2e`, which CI runs after `make
+    test`), `gpu` (the kernel tests, which
     benchmarks/gpu_check.sh runs natively on a GPU; on CPU they run the kernels interpreted)."""
     import pytest
     for item in items:
@@ -56,7 +59,7 @@ def pytest_collection_modifyitems(config, items):
         if module in MULTIPROCESS or item.originalname in MULTIPROCESS:
             item.add_marker(pytest.mark.multiprocess)
             item.add_marker(pytest.mark.end_to_end)
-        if "faults" in item.path.parts or module in END_TO_END:
+        if "faults" in item.path.parts or module in END_TO_END or item.originalname in END_TO_END:
             item.add_marker(pytest.mark.end_to_end)
         if module.startswith("test_kernels_"):
             item.add_marker(pytest.mark.gpu)
