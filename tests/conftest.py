@@ -1,16 +1,15 @@
-"""The suite runs on 16 simulated CPU devices; XLA reads the flags when jax starts.
-
-The suite's time is mostly XLA:CPU compiling small programs: LLVM's -O0 halves it
-(measured on tests/test_deepseek.py: 221 -> 91 s CPU) and changes no result the tests compare
-(every side of a comparison is compiled alike; compile-only memory figures are unchanged)."""
+"""The suite runs on 16 simulated CPU devices; XLA reads the flags when jax starts. The
+compile-speed flags and why they change no result: tests/xla_flags.py."""
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=16"
-                           " --xla_backend_optimization_level=0"
-                           # a loaded 2-core machine can leave simulated devices' threads >40 s apart
-                           # at a collective (XLA:CPU's default abort), seen once in the reference layout
-                           " --xla_cpu_collective_call_terminate_timeout_seconds=600").strip()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from xla_flags import COMPILE_FLAGS, DEVICE_COUNT  # noqa: E402
+
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), DEVICE_COUNT, COMPILE_FLAGS,
+                                    # a loaded 2-core machine can leave simulated devices' threads >40 s
+                                    # apart at a collective (XLA:CPU's default abort), seen once
+                                    "--xla_cpu_collective_call_terminate_timeout_seconds=600"]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

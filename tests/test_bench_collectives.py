@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtrain.cli import bench_collectives as bc
 from meshes.mesh import MeshConfig, build_mesh
 from ports import reserved_port
+from processes import child_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH = MeshConfig(data=4, tensor=4)
@@ -73,7 +74,7 @@ def test_bus_bandwidth_follows_nccl_tests_conventions():
 
 
 def _bench(args, **kw):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     return subprocess.Popen([sys.executable, "-m", "jaxtrain.cli.bench", "collectives", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxtrain.cli import train
+from processes import child_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [  # keep compiles small; the default config's own size is exercised by `make train`
@@ -19,8 +20,7 @@ TINY = [  # keep compiles small; the default config's own size is exercised by `
 
 
 def run_cli(args, env_extra=None):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(env_extra or {})
+    env = child_env(**(env_extra or {}))
     return subprocess.run([sys.executable, "-m", "jaxtrain.cli.train", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -102,7 +102,7 @@ def test_empty_corpus_is_a_clear_error(tmp_path, capsys):
 
 def test_mesh_not_matching_devices_exits_nonzero_from_a_real_process(tmp_path):
     proc = run_cli([f"--workdir={tmp_path / 'run'}", *TINY],
-                   env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=6"})
+                   env_extra={"xla_flags": "--xla_force_host_platform_device_count=6"})
     assert proc.returncode == 2
     assert "needs 8 devices but 6 are available" in proc.stderr
     assert not (tmp_path / "run").exists()
@@ -112,7 +112,7 @@ def test_eval_cli_scores_a_raw_text_file(trained, tmp_path):
     workdir, _ = trained
     text = tmp_path / "wiki.test.raw"
     text.write_text(" = Heading = \n\n A paragraph of text , with WikiText spacing .\n\n" * 20)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     proc = subprocess.run([sys.executable, "-m", "jaxtrain.cli.eval", f"--workdir={workdir}", f"--data={text}",
                            "--stride=8"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -138,7 +138,7 @@ for path in sys.argv[1:]:
 def test_every_bundled_config_loads_from_any_working_directory(tmp_path):
     """As a user runs them: from another directory, the repo not on sys.path (only installed), so
     includes like 'configs/default.gin' must resolve without the working directory's help."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+    env = child_env(drop=("PYTHONPATH",))
     paths = [os.path.join(REPO, "configs", name) for name in BUNDLED]
     proc = subprocess.run([sys.executable, "-c", LOAD_ALL, *paths], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)

@@ -12,6 +12,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import gpu_summary  # noqa: E402
+from processes import child_env  # noqa: E402
 
 # Every row the table must have, whatever the numbers (labels as gpu_summary.py writes them).
 ROWS = (["kernel tests", "roofline:"]
@@ -24,8 +25,7 @@ ROWS = (["kernel tests", "roofline:"]
 
 
 def run_dry(results, timeout=400):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "OUT", "GPU_CHECK_RESULTS")}
-    env.update(PYTHON=sys.executable, JAX_PLATFORMS="cpu")
+    env = child_env(drop=("OUT", "GPU_CHECK_RESULTS"), PYTHON=sys.executable, JAX_PLATFORMS="cpu")
     return subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", "--results", str(results)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=timeout)
 

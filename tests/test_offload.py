@@ -52,7 +52,8 @@ def test_activation_offload_remat_trains_identically(on_device):
     model = dataclasses.replace(TINY_LLAMA, remat="offload_dots")
     off_losses, off_params = train_losses(MESH, model=model, rules="zero1", init_params=init)
     np.testing.assert_allclose(off_losses, losses, rtol=1e-6)
-    assert_trees_close(off_params, params, rtol=1e-5, atol=1e-6)
+    # a thousandth of an Adam step (lr 1e-2): Adam amplifies rounding in near-zero gradients
+    assert_trees_close(off_params, params, rtol=1e-5, atol=1e-5)
 
 
 def test_activation_offload_moves_saved_matmuls_to_host_on_gpu():

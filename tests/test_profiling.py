@@ -5,12 +5,13 @@ import os
 import subprocess
 import sys
 
+from processes import child_env
 from test_cli import REPO, TINY
 
 
 def test_profile_steps_write_a_trace_of_the_train_step(tmp_path):
     workdir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     proc = subprocess.run([sys.executable, "-m", "jaxtrain.cli.train", f"--workdir={workdir}", *TINY,
                            "--gin_param=TrainConfig.steps=4", "--gin_param=TrainConfig.profile_steps=(2, 3)"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import tempfile
 
+from processes import child_env
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # vocab 272 >= the byte tokenizer's 259 ids; constant learning rate, so a run resumed with a
 # larger TrainConfig.steps trains exactly as one that was given it from the start.
@@ -21,10 +23,8 @@ CACHE = os.path.join(tempfile.gettempdir(), f"jaxtrain-fault-tests-cache-{os.get
 
 
 def env() -> dict:
-    out = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    out.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", PYTHONPATH=str(REPO))
-    return out
+    return child_env(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", PYTHONPATH=str(REPO))
 
 
 def train_args(workdir, *bindings) -> list[str]:

@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ports import reserved_port  # noqa: E402  (tests/ports.py)
+from processes import child_env  # noqa: E402
 
 from jaxtrain.cli import launch  # noqa: E402
 from jaxtrain.training.config import TrainConfig  # noqa: E402
@@ -201,8 +202,7 @@ def test_one_process_stops_at_the_step_the_signal_arrived_in():
 
 
 def run_python(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = REPO
+    env = child_env(PYTHONPATH=REPO)
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
 

@@ -1,0 +1,41 @@
+"""The XLA flags that make the suite's many small programs compile fast on XLA:CPU, for the
+suite's own process (tests/conftest.py) and for the CLI processes tests start
+(tests/processes.child_env).
+
+- LLVM -O0 halves the compile (tests/test_deepseek.py: 221 -> 91 s CPU).
+- XLA:CPU's older loop emitters instead of its MLIR fusion emitters halve the backend compile
+  again (tests/test_pattern_scan.py, one device: 24.5 -> 11.0 s; `make test` 15:03 -> 7:49).
+  Fusion decisions and buffer assignment are HLO passes before the emitters, so compile-only
+  memory figures do not move; results can differ in the last float32 bits, as any two programs'.
+
+Neither changes what a test compares: every side of a comparison is compiled alike."""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import mmap
+import os
+
+DEVICE_COUNT = "--xla_force_host_platform_device_count=16"
+
+
+def _jaxlib_knows(flag: str) -> bool:
+    """Whether this jaxlib's libraries name `flag` (an XLA flag it does not know aborts the
+    process, and XLA renames flags between releases). jaxlib is looked at, not imported: XLA
+    reads XLA_FLAGS once, when jax starts."""
+    spec = importlib.util.find_spec("jaxlib")
+    if spec is None or spec.origin is None:
+        return False
+    for path in glob.glob(os.path.join(os.path.dirname(spec.origin), "**", "*.so"), recursive=True):
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                continue
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                if data.find(flag.encode()) >= 0:
+                    return True
+    return False
+
+
+COMPILE_FLAGS = " ".join(["--xla_backend_optimization_level=0"]
+                         + (["--xla_cpu_use_fusion_emitters=false"]
+                            if _jaxlib_knows("xla_cpu_use_fusion_emitters") else []))
