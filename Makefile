@@ -24,11 +24,11 @@ train: $(VENV)/.stamp
 	$(PY) -m jaxtrain.train --gin_file=configs/default.gin --workdir=runs/default $(ARGS)
 
 test: $(VENV)/.stamp
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope -m "not reference_layout and not full_size and not end_to_end" $(ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope -m "not reference_layout and not full_size" $(ARGS)
 
-# Tests that start real processes of the CLIs, scripts or a Jupyter kernel: fault injections
-# (tests/faults/), multi-process runs, the GPU check's dry run, the CLI, profiler and notebook
-# runs (tests/conftest.py END_TO_END). CI runs it after `make test`.
+# The part of `make test` that starts real processes of the CLIs, scripts or a Jupyter kernel:
+# fault injections (tests/faults/), multi-process runs, the GPU check's dry run, the CLI,
+# profiler and notebook runs (tests/conftest.py END_TO_END).
 test-e2e: $(VENV)/.stamp
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope -m "end_to_end" $(ARGS)
 

@@ -44,13 +44,12 @@ END_TO_END = {"test_gpu_check", "test_cli", "test_profiling", "test_notebook",
 
 
 def pytest_collection_modifyitems(config, items):
-    """Markers by module: `fast` (FAST_MODULES), `slow` (everything else: end-to-end runs,
-    full-size compiles, CLIs), `multiprocess` (MULTIPROCESS), `end_to_end` (the fault injections
-    of tests/faults/, the multi-process runs, the GPU check's dry run, the CLI, profiler and
-    notebook runs: each starts real processes of the CLIs, scripts or a Jupyter kernel, 40% of
-    the suite's time, so they are their own lane, `make test-e2e`, which CI runs after `make
-    test`), `gpu` (the kernel tests, which
-    benchmarks/gpu_check.sh runs natively on a GPU; on CPU they run the kernels interpreted)."""
+    """Markers by module: `fast` (FAST_MODULES, `make test-fast`), `slow` (everything else),
+    `multiprocess` (MULTIPROCESS), `end_to_end` (the fault injections of tests/faults/, the
+    multi-process runs, the GPU check's dry run, the CLI, profiler and notebook runs: each starts
+    real processes of the CLIs, scripts or a Jupyter kernel; `make test-e2e` runs only them),
+    `gpu` (the kernel tests, which benchmarks/gpu_check.sh runs natively on a GPU; on CPU they
+    run the kernels interpreted)."""
     import pytest
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]
