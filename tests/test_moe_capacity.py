@@ -203,14 +203,15 @@ def compiled_cost(dispatch, tokens=2048, embed=64, hidden=256):
 
 def test_flops_and_temp_scale_with_the_capacity_factor():
     """Measured: FLOPs 0.61 / 1.23 / 2.45 G and temp 12.7 / 26.2 / 52.2 MiB at cf 0.5 / 1 / 2;
-    dropless 9.8 G (XLA:CPU's ragged_dot is dense over the 8 experts) and 165 MiB."""
+    dropless 31.3 MiB (on CPU a loop over row tiles, whose FLOPs XLA's cost analysis counts for
+    one trip only, so FLOPs are compared between capacities)."""
     half, one, two = (compiled_cost(CapacityDispatch(cf)) for cf in (0.5, 1.0, 2.0))
     dropless = compiled_cost(dispatch_for(None))
     for what, i in (("flops", 0), ("temp", 1)):
         # roughly proportional to cf: doubling it adds at least 3/4 of what proportional would
         assert half[i] < one[i] < two[i], (what, half[i], one[i], two[i])
         assert two[i] - one[i] > 0.75 * one[i] and one[i] - half[i] > 0.75 * half[i], (what, half[i], one[i], two[i])
-        assert one[i] < dropless[i], (what, one[i], dropless[i])
+    assert one[1] < dropless[1] < two[1], ("temp", one[1], dropless[1], two[1])
 
 
 def test_capacity_factor_must_be_positive():
