@@ -300,7 +300,7 @@ def grouped_matmul(
     lhs, rhs = lhs.astype(dtype), rhs.astype(dtype)
     if not use_pallas:
         # XLA:CPU expands ragged_dot densely over groups: past a size, loop over row tiles
-        # instead (small problems stay dense: a scan of tiny matmuls is slower there).
+        # instead (below TILED_MIN_DENSE_WORK the dense product is the faster one).
         dense_work = rhs.shape[0] * lhs.shape[0] * lhs.shape[1] * rhs.shape[2]
         if _common.target_platform() == "cpu" and dense_work >= TILED_MIN_DENSE_WORK:
             return grouped_matmul_tiled(lhs, rhs, group_sizes)
