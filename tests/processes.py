@@ -30,7 +30,7 @@ def start_train_processes(workdir, bindings, port: int, count: int = 2,
                           xla_flags: str = "") -> list[subprocess.Popen]:
     """`count` CLI processes joining the coordinator on `port`, each with the gin `bindings`; on CPU,
     with child_env's XLA_FLAGS plus `xla_flags` (e.g. each process's device count)."""
-    env = child_env(xla_flags or "", JAX_PLATFORMS="cpu")
+    env = child_env(xla_flags, JAX_PLATFORMS="cpu")
     return [subprocess.Popen(
         [sys.executable, "-m", "jaxtrain.cli.train", f"--workdir={workdir}", *[f"--gin_param={b}" for b in bindings],
          f"--coordinator_address=localhost:{port}", f"--num_processes={count}", f"--process_id={i}"],
