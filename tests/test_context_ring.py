@@ -1,0 +1,147 @@
+"""Attention with the sequence split over `context` (meshes/context_attention.sharded_attention),
+called directly at context 4: RingKV and AllGatherKV in the load-balanced (zigzag) order give the
+values and q/k/v gradients of one unsplit call, with sequences long enough that every ring step
+runs several query and key blocks; and the compiled programs move K/V the way each exchange says
+(RingKV by collective-permute only, AllGatherKV by all-gather only)."""
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshes.context_attention import sharded_attention
+from meshes.context_layout import AllGatherKV, ContextParallel, Contiguous, LoadBalanced, RingKV, device_order
+from meshes.context_layout import use_context_parallel
+from meshes.mesh import MeshConfig, build_mesh
+from meshes.rules import get_rule_set, use_rules
+from pallas_kernels.flash_attention import flash_attention
+
+QUICK = {"xla_backend_optimization_level": 0}
+SCALE = 0.3
+CONTEXT = 4
+# 128 tokens over context 4, zigzag: each rank holds two 16-token chunks (32 tokens); blocks of 8
+# make every ring step a 4 x 4 grid of query and key blocks (the multi-block path).
+B, LENGTH, HEADS, KV_HEADS, D, DV, BLOCK = 2, 128, 4, 2, 8, 6, 8
+# Document starts per row: documents cross chunk and rank edges (16, 32, ...), one starts on one.
+STARTS = ([5, 40, 41, 90], [32, 70])
+EXCHANGES = {"ring": RingKV, "allgather": AllGatherKV}
+LAYOUTS = {"balanced": LoadBalanced, "contiguous": Contiguous}
+
+
+@pytest.fixture(autouse=True)
+def _exact_f32_matmuls():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    draw = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    seg = np.zeros((B, LENGTH), np.int32)
+    for row, cuts in enumerate(STARTS):
+        for c in cuts:
+            seg[row, c:] += 1
+    return dict(q=draw(B, LENGTH, HEADS, D), k=draw(B, LENGTH, KV_HEADS, D), v=draw(B, LENGTH, KV_HEADS, DV),
+                seg=seg, weights=draw(B, LENGTH, HEADS, DV))
+
+
+def _value_and_grads(attend, weights):
+    def loss(q, k, v, seg):
+        out = attend(q, k, v, seg)
+        return jnp.sum(out * weights), out
+    return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+
+
+@functools.lru_cache(maxsize=None)
+def single_device(seed=0):
+    """The unsplit materialized reference: (out, (dq, dk, dv)) in the original token order."""
+    x = inputs(seed)
+    attend = lambda q, k, v, seg: flash_attention(q, k, v, seg, seg, scale=SCALE, impl="reference")
+    (_, out), grads = jax.jit(_value_and_grads(attend, x["weights"]), compiler_options=QUICK)(
+        x["q"], x["k"], x["v"], x["seg"])
+    return np.asarray(out), tuple(np.asarray(g) for g in grads)
+
+
+@functools.lru_cache(maxsize=None)
+def context_parallel(exchange: str, layout: str, seed=0):
+    """(out, grads) back in the original order, and the compiled HLO text of the step."""
+    x = inputs(seed)
+    mesh = build_mesh(MeshConfig(data=1, context=CONTEXT), jax.devices()[:CONTEXT])
+    order = device_order(LAYOUTS[layout](), LENGTH, CONTEXT)
+    back = np.argsort(order)
+    split = lambda a: jax.device_put(a[:, order], NamedSharding(mesh, PartitionSpec(None, "context")))
+    settings = ContextParallel(layout=LAYOUTS[layout](), kv_exchange=EXCHANGES[exchange]())
+    with use_rules(mesh, get_rule_set("dp")), use_context_parallel(settings):
+        attend = lambda q, k, v, seg: sharded_attention(q, k, v, seg, scale=SCALE, impl="xla", block_q=BLOCK,
+                                                        block_k=BLOCK)
+        args = [split(x[n]) for n in ("q", "k", "v", "seg")]
+        step = jax.jit(_value_and_grads(attend, split(x["weights"])), compiler_options=QUICK)
+        compiled = step.lower(*args).compile()
+        (_, out), grads = compiled(*args)
+    return np.asarray(out)[:, back], tuple(np.asarray(g)[:, back] for g in grads), compiled.as_text()
+
+
+def assert_close(actual, expected, what, rtol=1e-5):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert np.isfinite(actual).all() and np.isfinite(expected).all(), f"{what}: not finite"
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * np.abs(expected).max(), err_msg=what)
+
+
+@pytest.mark.parametrize("exchange, layout", [("ring", "balanced"), ("allgather", "balanced"),
+                                              ("ring", "contiguous")])
+def test_context4_attention_equals_one_device(exchange, layout):
+    out, grads, _ = context_parallel(exchange, layout)
+    ref_out, ref_grads = single_device()
+    assert_close(out, ref_out, "out")
+    for name, g, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(g, want, name)
+
+
+# ---- what the compiled programs send ------------------------------------------------------------
+
+_OP = re.compile(r"\s(all-gather|collective-permute)(?:-start)?\(")
+_ARRAY = re.compile(r"[a-z0-9]+\[([0-9,]*)\]")
+
+
+def collectives(hlo_text: str) -> dict[str, list[tuple[tuple[int, ...], str]]]:
+    """{op: (shape, source_target_pairs) of every array each all-gather / collective-permute
+    outputs} (a combined collective's tuple contributes each of its arrays; the -done halves are
+    not counted; pairs are "" for an all-gather)."""
+    found = {"all-gather": [], "collective-permute": []}
+    for line in hlo_text.splitlines():
+        if "=" not in line:
+            continue
+        rhs = line.split("=", 1)[1]
+        m = _OP.search(" " + rhs.split("(", 1)[0] + "(")  # the instruction's own op, not an operand's
+        if m is None:
+            continue
+        pairs = re.search(r"source_target_pairs=(\{[{},0-9]*\})", rhs)
+        found[m.group(1)] += [(tuple(int(d) for d in dims.split(",") if d), pairs.group(1) if pairs else "")
+                              for dims in _ARRAY.findall(rhs.split(m.group(1))[0])]
+    return found
+
+
+# Per device (data=1, tensor=1): the whole batch and all kv heads, a rank's length or all of it.
+LOCAL_KV = (B, LENGTH // CONTEXT, KV_HEADS, D)
+WHOLE_KV = (B, LENGTH, KV_HEADS, D)
+
+
+RING = "{" + ",".join(f"{{{i},{(i + 1) % CONTEXT}}}" for i in range(CONTEXT)) + "}"  # {{0,1},{1,2},...}
+
+
+def test_ring_moves_kv_by_collective_permute_only():
+    sent = collectives(context_parallel("ring", "balanced")[2])
+    assert (LOCAL_KV, RING) in sent["collective-permute"], sent
+    assert {pairs for _, pairs in sent["collective-permute"]} == {RING}, "every hop goes one rank on"
+    assert sent["all-gather"] == [], f"the ring gathers: {sent['all-gather']}"
+
+
+def test_allgather_moves_kv_by_all_gather_only():
+    sent = collectives(context_parallel("allgather", "balanced")[2])
+    assert (WHOLE_KV, "") in sent["all-gather"], sent
+    assert sent["collective-permute"] == [], sent
