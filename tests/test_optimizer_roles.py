@@ -1,5 +1,6 @@
-"""Optimizer roles are declared by each parameter (models/layers/params.py): they equal the rule
-the optimizer used to apply by leaf name, for every family, and AdamW honours them."""
+"""Optimizer roles are declared by each parameter (models/layers/params.py): they equal a rule by
+leaf name (the optimizer's former one, plus no decay for Mamba-2's A_log, D and dt_bias, as in
+mamba_ssm and Megatron), for every family, and AdamW honours them."""
 import dataclasses
 
 import jax
@@ -13,10 +14,15 @@ from models.family import families
 from models.layers.router import RouterConfig
 
 
+SSM_NO_DECAY = ("A_log", "D", "dt_bias")  # Mamba-2's per-head dynamics: never decayed
+
+
 def by_leaf_name(path) -> str:
-    """The former name-based rule (independent of the metadata)."""
+    """The rule by name, independent of the metadata."""
     name = path[-1]
-    return "frozen" if name == "correction_bias" else "no_decay" if name in ("scale", "bias") else "decay"
+    if name == "correction_bias":
+        return "frozen"
+    return "no_decay" if name in ("scale", "bias", *SSM_NO_DECAY) else "decay"
 
 
 def configs():
@@ -47,3 +53,31 @@ def test_adamw_decays_frozen_and_no_decay_leaves_as_declared():
     np.testing.assert_allclose(updates["bias"], 0.0)  # frozen despite its gradient
     plain, _ = make_optimizer(cfg, 10)  # no roles: every leaf decays, same state structure
     assert jax.tree.structure(plain.init(params)) == jax.tree.structure(tx.init(params))
+
+
+@pytest.mark.parametrize("family", ["mamba2", "nemotron_h"])
+def test_adamw_leaves_ssm_dynamics_undecayed(family):
+    """One AdamW step with zero gradients on a real Mamba-2 / Nemotron-H parameter tree: the only
+    move is weight decay, -lr * wd * p, so A_log, D and dt_bias stay put and weights shrink."""
+    from flax import nnx
+
+    from jaxtrain.training.state import abstract_model, map_with_path
+
+    cfg = families()[family].config_class()
+    roles = optimizer_roles(cfg)
+    ssm = [p for p in roles if p[-1] in SSM_NO_DECAY]
+    assert len(ssm) >= 3 and all(roles[p] == "no_decay" for p in ssm)
+    shapes = nnx.to_pure_dict(abstract_model(cfg)[1])
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape), jnp.float32), shapes)
+    lr, wd = 0.1, 0.5
+    opt = OptimizerConfig(learning_rate=lr, warmup_steps=0, decay="constant", weight_decay=wd, clip_norm=None)
+    tx, _ = make_optimizer(opt, 10, roles)
+    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    expected = map_with_path(lambda path, p: -lr * wd * np.asarray(p, np.float64) if roles[path] == "decay"
+                             else np.zeros(p.shape), params)
+    checked = map_with_path(lambda path, u: (path, np.asarray(u)), updates)
+    for (path, got), want in zip(jax.tree.leaves(checked, is_leaf=lambda x: isinstance(x, tuple)),
+                                 jax.tree.leaves(expected)):
+        assert np.isfinite(got).all(), path
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=str(path))

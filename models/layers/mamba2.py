@@ -26,7 +26,7 @@ from meshes.per_shard import per_shard
 from meshes.rules import constrain
 from models.layers.dense import Dense
 from models.layers.gated_norm import GatedGroupRMSNorm
-from models.layers.params import LOGICAL_AXES, param
+from models.layers.params import LOGICAL_AXES, OPTIMIZER, param
 from pallas_kernels.causal_conv1d import causal_conv1d
 from pallas_kernels.ssd_scan import ssd_scan
 
@@ -152,7 +152,9 @@ class Mamba2Mixer(nnx.Module):
         self.conv_x = ShortConv((h, p), ("ssm_heads", "ssm_head_dim"), cfg.conv_kernel, **conv)
         self.conv_b = ShortConv((g, n), ("ssm_groups", "ssm_state"), cfg.conv_kernel, **conv)
         self.conv_c = ShortConv((g, n), ("ssm_groups", "ssm_state"), cfg.conv_kernel, **conv)
-        per_head = {LOGICAL_AXES: ("ssm_heads",)}
+        # no weight decay, as in mamba_ssm (_no_weight_decay) and Megatron: decay would pull A_log, D and
+        # dt_bias toward 0, i.e. toward A = -1, no skip and a fixed step size, not toward a smaller model
+        per_head = {LOGICAL_AXES: ("ssm_heads",), OPTIMIZER: "no_decay"}
         self.dt_bias = nnx.Param(_dt_bias_init(cfg)(rngs.params(), (h,), jnp.float32), **per_head)
         self.A_log = nnx.Param(_a_log_init(rngs.params(), (h,), jnp.float32), **per_head)
         self.D = nnx.Param(jnp.ones((h,), jnp.float32), **per_head)
