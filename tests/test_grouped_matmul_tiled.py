@@ -1,5 +1,6 @@
 """The CPU grouped matmul (a loop over row tiles) equals a float64 per-group loop, values and
-gradients, for ragged, empty and overflowing groups; and its cost does not grow with groups."""
+gradients, for ragged, empty and overflowing groups; and its work, counted in the traced loops,
+is one tile per schedule item (cdiv(m, block_m) + groups), not rows x groups."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,18 +59,55 @@ def test_matches_ragged_dot_on_random_sizes():
                                np.asarray(jax.lax.ragged_dot(lhs, rhs, sizes)), rtol=1e-5, atol=1e-5)
 
 
-def test_flops_do_not_grow_with_the_number_of_groups():
-    """XLA's own cost analysis of forward + backward: 64 groups cost ~1x, not 64x, of 4 groups."""
-    m, k, n = 4096, 64, 64
+def matmul_work(jaxpr, repeats: int = 1) -> int:
+    """Multiply-adds x 2 of every dot_general in a jaxpr, each counted once per trip of the scans
+    around it (XLA's cost analysis counts a loop body once). A while loop has no static trip
+    count: the tile loops must not use one."""
+    work = 0
+    for eqn in jaxpr.eqns:
+        assert eqn.primitive.name != "while", "a while loop: its work cannot be counted"
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs_shape = eqn.invars[0].aval.shape
+            work += 2 * repeats * int(np.prod(eqn.outvars[0].aval.shape)) * int(np.prod([lhs_shape[d] for d in contract]))
+        trips = repeats * eqn.params["length"] if eqn.primitive.name == "scan" else repeats
+        for value in eqn.params.values():
+            for sub in (value if isinstance(value, (tuple, list)) else (value,)):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    work += matmul_work(getattr(sub, "jaxpr", sub), trips)
+    return work
 
-    def flops(groups):
-        sizes = jnp.full((groups,), m // groups, jnp.int32)
-        f = jax.jit(jax.grad(lambda a, b: grouped_matmul_tiled(a, b, sizes, 64).sum(), argnums=(0, 1)))
-        cost = f.lower(jnp.zeros((m, k)), jnp.zeros((groups, k, n))).compile().cost_analysis()
-        return (cost[0] if isinstance(cost, list) else cost)["flops"]
 
-    few, many = flops(4), flops(64)
-    assert many < 1.5 * few, (few, many)
+def tile_loop_lengths(jaxpr) -> list[int]:
+    """Trip counts of the scans (at any depth) whose body multiplies matrices: the tile loops."""
+    lengths = []
+    for eqn in jaxpr.eqns:
+        subs = [getattr(v, "jaxpr", v) for value in eqn.params.values()
+                for v in (value if isinstance(value, (tuple, list)) else (value,))
+                if hasattr(v, "eqns") or hasattr(getattr(v, "jaxpr", None), "eqns")]
+        if eqn.primitive.name == "scan" and any(e.primitive.name == "dot_general" for s in subs for e in s.eqns):
+            lengths.append(eqn.params["length"])
+        for sub in subs:
+            lengths += tile_loop_lengths(sub)
+    return lengths
+
+
+@pytest.mark.parametrize("m, groups", [(4096, 4), (4096, 64), (1000, 7), (64, 64)])
+def test_work_is_one_tile_per_schedule_item_not_rows_times_groups(m, groups):
+    """Forward + backward (three tile loops: out, dlhs, drhs), counted in the traced program: each
+    runs cdiv(m, block_m) + groups trips of one [block_m, k] x [k, n] tile product, so 64 groups
+    cost at most one extra tile each, not 64x the rows' work (the dense ragged_dot on CPU)."""
+    k, n, block_m = 16, 8, 64
+    sizes = jnp.full((groups,), m // groups, jnp.int32)
+    f = jax.grad(lambda a, b: grouped_matmul_tiled(a, b, sizes, block_m).sum(), argnums=(0, 1))
+    jaxpr = jax.make_jaxpr(f)(jax.ShapeDtypeStruct((m, k), jnp.float32),
+                              jax.ShapeDtypeStruct((groups, k, n), jnp.float32))
+    items = -(-m // block_m) + groups
+    assert tile_loop_lengths(jaxpr.jaxpr) == [items] * 3
+    one_tile = 2 * block_m * k * n
+    assert matmul_work(jaxpr.jaxpr) == 3 * items * one_tile
+    rows_work = 3 * 2 * m * k * n  # the ideal: every row through one matrix, three times
+    assert matmul_work(jaxpr.jaxpr) <= rows_work + 3 * (groups + 1) * one_tile
 
 
 def test_the_cpu_dispatch_takes_the_tiles_past_its_threshold(monkeypatch):
