@@ -95,17 +95,20 @@ class Run:
             checkpointer.close()
         return step
 
-    def restore(self, directory: str, step: int | None = None) -> int:
-        """Loads checkpoint `step` (default: the newest intact one) into this run's layout."""
+    def restore(self, directory: str, step: int | None = None, allow_unverified: bool = False) -> int:
+        """Loads checkpoint `step` (default: the newest intact one) into this run's layout.
+        `allow_unverified`: also a step without a manifest (restored with a warning)."""
         checkpointer = Checkpointer(directory)
         try:
             if step is None:
-                found = checkpointer.restore_latest(self.setup.state.disk_abstract, quarantine=False)
+                found = checkpointer.restore_latest(self.setup.state.disk_abstract, quarantine=False,
+                                                    allow_unverified=allow_unverified)
                 if found is None:
                     raise FileNotFoundError(f"no checkpoint in {directory}")
                 step, restored, _ = found
             else:
-                restored = checkpointer.restore(step, self.setup.state.disk_abstract)
+                restored = checkpointer.restore(step, self.setup.state.disk_abstract,
+                                                allow_unverified=allow_unverified)
         finally:
             checkpointer.close()
         self.state = self.setup.ready_to_step(self.setup.state.from_disk(restored), step)  # params-only: fresh Adam

@@ -15,9 +15,17 @@ checks the step against it: an array whose fingerprint differs (a flipped bit, a
 file) or unreadable metadata is a `CorruptCheckpoint` naming the step and what is wrong; an
 item the run needs that the step lacks is a `CheckpointError` naming it. `restore_latest` then falls back to the
 newest intact step, moving the corrupt ones aside (never deleting them). A checkpoint written
-by `python -m jaxtrain.convert` holds parameters only: training then starts fresh optimizer and
-data state; any other step missing an item the run needs is an error unless the run asks to
-reset that item.
+by `python -m jaxtrain.convert` holds parameters only (with their fingerprints): training then
+starts fresh optimizer and data state; any other step missing an item the run needs is an
+error unless the run asks to reset that item.
+
+Only what fails on its own terms is moved aside. Before any array is read, each item's saved
+structure is compared with the run's (jaxtrain/checkpoints/compatibility.py): a config change
+that alters it is an `IncompatibleCheckpoint` naming the leaves (or, when only positions in the
+optimizer chain moved, the state is carried over with one line saying so); a step without a
+manifest or fingerprints is an `UnverifiedCheckpoint` unless the run allows unverified restores.
+Neither moves anything. Manifests also record each parameter's optimizer role (decay, no_decay,
+frozen) so a resume can say which changed.
 """
 from __future__ import annotations
 
@@ -35,24 +43,15 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxtrain.checkpoints.compatibility import carried_over_line, fit_item
+from jaxtrain.checkpoints.errors import (CheckpointError, CheckpointSaveError, CorruptCheckpoint,  # noqa: F401
+                                         IncompatibleCheckpoint, UnverifiedCheckpoint)
 from jaxtrain.checkpoints.fingerprint import leaf_path, tree_fingerprints
 
 STATE_ITEMS = ("params", "opt_state")
 ALL_ITEMS = STATE_ITEMS + ("data",)
 MANIFEST_KEY = "jaxtrain"
 CONVERTED = "converted"  # manifest `kind` of a parameters-only checkpoint (jaxtrain.cli.convert, a params-only save)
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be used as it is; the message names the step and the cause."""
-
-
-class CorruptCheckpoint(CheckpointError):
-    """The step's files do not hold what its manifest says was saved."""
-
-
-class CheckpointSaveError(CheckpointError):
-    """An (async) save failed; the step was not committed."""
 
 
 def _drop_closed_loop_callbacks(previous):
@@ -80,7 +79,9 @@ class _OrbaxTracebacksToOneLine(logging.Filter):
 
 
 class Checkpointer:
-    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True, roles: dict | None = None):
+        """`roles`: {parameter path: optimizer role}, recorded in every manifest written, so a
+        resume can name the parameters whose role changed since."""
         if not getattr(sys.unraisablehook, "jaxtrain", False):
             sys.unraisablehook = _drop_closed_loop_callbacks(sys.unraisablehook)
             logging.getLogger("absl").addFilter(_OrbaxTracebacksToOneLine())
@@ -89,6 +90,7 @@ class Checkpointer:
                                                enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._saving = None  # the step of the save in flight, if any
+        self.roles = roles
 
     # -- what is on disk ----------------------------------------------------------------------
     def latest_step(self) -> int | None:
@@ -135,6 +137,8 @@ class Checkpointer:
         items = {k: ocp.args.StandardSave(v) for k, v in saved.items()}
         manifest = {"items": sorted(saved), "fingerprints": tree_fingerprints(saved), "time": time.time(),
                     **(extra or {})}
+        if self.roles is not None:
+            manifest["roles"] = self.roles
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
             manifest["items"].append("data")
@@ -174,15 +178,29 @@ class Checkpointer:
         self.manager.close()
 
     # -- restoring ----------------------------------------------------------------------------
-    def restore(self, step: int, abstract_state: dict, data_iterator=None, *, reset=()) -> dict:
+    def restore(self, step: int, abstract_state: dict, data_iterator=None, *, reset=(),
+                allow_unverified: bool = False) -> dict:
         """The items on disk restored into the shardings carried by `abstract_state`
         (ShapeDtypeStructs) and verified against the step's manifest; the data iterator, if
-        given, is restored in place. `reset`: items the caller will start fresh."""
+        given, is restored in place. `reset`: items the caller will start fresh. Before any
+        array is read, each item's saved structure is compared with `abstract_state`
+        (IncompatibleCheckpoint, or optimizer state carried over: compatibility.py), and a step
+        without fingerprints is refused (UnverifiedCheckpoint) unless `allow_unverified`."""
         manifest = self.manifest(step)
         present = self.items(step)
         expected = self._expected_items(step, manifest, present, abstract_state, data_iterator, reset)
         state_items = [k for k in STATE_ITEMS if k in expected]
-        items = {k: ocp.args.StandardRestore(abstract_state[k]) for k in state_items}
+        self._check_verifiable(step, manifest, allow_unverified)
+        step_dir = os.path.join(self.directory, str(step))
+        fits = {}
+        for k in state_items:
+            try:
+                fits[k] = fit_item(step, step_dir, k, abstract_state[k])
+            except CheckpointError:
+                raise
+            except Exception as e:  # garbled array metadata: the step cannot be read
+                raise CorruptCheckpoint(f"step {step}: cannot be read ({type(e).__name__}: {_one_line(e)})") from None
+        items = {k: ocp.args.StandardRestore(fits[k].target) for k in state_items}
         other_layout = None  # a data state written by another number of processes
         if "data" in expected:
             data_dir = os.path.join(self.directory, str(step), "data")
@@ -201,10 +219,26 @@ class Checkpointer:
                     data_iterator.set_state(json.load(f))
         except Exception as e:  # truncated files, garbled array metadata, TensorStore errors
             raise CorruptCheckpoint(f"step {step}: cannot be read ({type(e).__name__}: {_one_line(e)})") from None
-        state = {k: restored[k] for k in state_items}
-        if manifest is not None:
+        state = {k: restored[k] for k in state_items}  # as saved: the manifest's paths
+        if manifest is not None and manifest.get("fingerprints"):
             self._verify(step, manifest, state, data_iterator if "data" in expected else None)
-        return state
+        for k in state_items:
+            if fits[k].moved is not None:
+                _print_once(carried_over_line(step, k, fits[k]))
+        return {k: fits[k].to_now(state[k]) for k in state_items}
+
+    def _check_verifiable(self, step: int, manifest: dict | None, allow_unverified: bool) -> None:
+        if manifest is not None and manifest.get("fingerprints"):
+            return
+        what = ("no manifest (its _CHECKPOINT_METADATA is missing or was not written by jaxtrain)" if manifest is None
+                else "a manifest without fingerprints")
+        if not allow_unverified:
+            raise UnverifiedCheckpoint(
+                f"step {step} in {self.directory} has {what}: its arrays cannot be verified, so it is not "
+                f"restored. Bind TrainConfig.allow_unverified_restore=True to restore it unverified, or move "
+                f"{self.directory}/{step} aside to resume from an older step")
+        _print_once(f"warning: step {step} in {self.directory} has {what}: restored WITHOUT verification "
+                    f"(TrainConfig.allow_unverified_restore=True)")
 
     def _expected_items(self, step, manifest, present, abstract_state, data_iterator, reset) -> set[str]:
         wanted = {k for k in STATE_ITEMS if k in abstract_state} | ({"data"} if data_iterator is not None else set())
@@ -226,6 +260,7 @@ class Checkpointer:
         actual = tree_fingerprints(state)
         expected = {p: fp for p, fp in manifest.get("fingerprints", {}).items() if p.split("/")[0] in state}
         wrong = [p for p, fp in expected.items() if actual.get(p) != fp]
+        wrong += sorted(set(actual) - set(expected))  # an array the manifest does not know was not saved with it
         if wrong:
             raise CorruptCheckpoint(f"step {step}: {len(wrong)} array(s) differ from what was saved (fingerprint "
                                     f"mismatch), first {wrong[0]}")
@@ -234,17 +269,20 @@ class Checkpointer:
                                     f"from the saved {manifest['data_state']}")
 
     def restore_latest(self, abstract_state: dict, data_iterator=None, *, reset=(), strict: bool = False,
-                       quarantine: bool = True):
+                       quarantine: bool = True, allow_unverified: bool = False):
         """(step, state, manifest) of the newest intact step, or None when there is none at all.
         Corrupt newer steps are skipped with a warning naming what is wrong and, with
         `quarantine` (a run that will write new steps), moved to `<directory>_corrupt/`; with
         `strict` the first one raises instead. Every process takes the same decision. Raises
-        CheckpointError when steps exist but none is intact."""
+        CheckpointError when steps exist but none is intact; a step that is intact but does not
+        fit (IncompatibleCheckpoint) or cannot be verified (UnverifiedCheckpoint) raises at once
+        and moves nothing."""
         problems = []
         for step in reversed(self.all_steps()):
             error = None
             try:
-                state = self.restore(step, abstract_state, data_iterator, reset=reset)
+                state = self.restore(step, abstract_state, data_iterator, reset=reset,
+                                     allow_unverified=allow_unverified)
             except CorruptCheckpoint as e:
                 error = str(e)
             error = _first_error_on_any_process(error)
@@ -270,6 +308,11 @@ class Checkpointer:
             shutil.move(os.path.join(self.directory, str(step)), target)
         _barrier(f"jaxtrain_quarantine_{step}")
         return target
+
+
+def _print_once(line: str) -> None:
+    if jax.process_index() == 0:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _first_error_on_any_process(error: str | None) -> str | None:

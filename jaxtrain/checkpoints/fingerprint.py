@@ -94,20 +94,35 @@ def _memory_kind(leaf):
     return getattr(getattr(leaf, "sharding", None), "memory_kind", None)
 
 
-def block_fingerprint(blocks, shape) -> str:
-    """The fingerprint of an array of `shape` given as (region, numpy block) pairs that tile
-    it (how jaxtrain.cli.convert streams a leaf), equal to `tree_fingerprints` of the whole array."""
-    total = [np.uint32(0), np.uint32(0)]
-    for region, block in blocks:
+class BlockFingerprint:
+    """The fingerprint of an array of `shape` fed as (region, numpy block) pairs that tile it, in
+    any order (how jaxtrain.cli.convert streams a leaf while writing it); `value()` equals
+    `tree_fingerprints` of the whole array."""
+
+    def __init__(self, shape):
+        self.strides = _strides(tuple(shape))
+        self.total = [0, 0]
+
+    def add(self, region, block) -> None:
         block = np.asarray(block)
         index = np.zeros(block.shape, np.uint64)
-        for dim, (piece, stride) in enumerate(zip(region, _strides(shape))):
+        for dim, (piece, stride) in enumerate(zip(region, self.strides)):
             along = np.arange(piece.start or 0, (piece.start or 0) + block.shape[dim], dtype=np.uint64)
             index = index + along.reshape([-1 if d == dim else 1 for d in range(block.ndim)]) * np.uint64(stride)
         with np.errstate(over="ignore"):
             sums = _leaf_sums(block, (index % 2**32).astype(np.uint32), np)
-            total = [np.uint32((int(t) + int(s)) % 2**32) for t, s in zip(total, sums)]
-    return _format(total)
+        self.total = [(t + int(s)) % 2**32 for t, s in zip(self.total, sums)]
+
+    def value(self) -> str:
+        return _format(self.total)
+
+
+def block_fingerprint(blocks, shape) -> str:
+    """BlockFingerprint of all (region, block) pairs of `blocks` at once."""
+    fingerprint = BlockFingerprint(shape)
+    for region, block in blocks:
+        fingerprint.add(region, block)
+    return fingerprint.value()
 
 
 def _format(sums) -> str:

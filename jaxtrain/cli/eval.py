@@ -53,7 +53,7 @@ def main(argv=None) -> int:
 
     import jax
 
-    from jaxtrain.checkpoints.checkpointer import CheckpointError, Checkpointer
+    from jaxtrain.checkpoints.checkpointer import CheckpointError, Checkpointer, IncompatibleCheckpoint
     from jaxtrain.training.config import load_experiment
     from jaxtrain.data.packing import tokenize_text_stream
     from jaxtrain.training.parallel_plan import ParallelPlan
@@ -84,7 +84,10 @@ def main(argv=None) -> int:
         fail(str(e))
     try:  # the newest intact step (a corrupt newer one is reported and skipped, not moved)
         step, restored, _ = checkpointer.restore_latest({"params": setup.state.disk_abstract["params"]},
-                                                        quarantine=False)
+                                                        quarantine=False,
+                                                        allow_unverified=exp.train.allow_unverified_restore)
+    except IncompatibleCheckpoint as e:  # written for another model: a config error, like a bad flag
+        fail(str(e))
     except CheckpointError as e:
         fail(str(e), code=exit_codes.CHECKPOINT)
     params = setup.state.from_disk({"params": restored["params"]})["params"]

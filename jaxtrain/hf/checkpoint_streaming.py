@@ -15,6 +15,7 @@ conversion.
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Callable, Iterable
 
@@ -24,6 +25,7 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from jaxtrain.checkpoints.checkpointer import CONVERTED, MANIFEST_KEY
+from jaxtrain.checkpoints.fingerprint import BlockFingerprint, leaf_path
 from jaxtrain.hf.errors import HFCheckpointError
 
 Blocks = Callable[[], Iterable[tuple[tuple[slice, ...], np.ndarray]]]
@@ -70,7 +72,9 @@ class _LazyReader(ocp.type_handlers.NumpyHandler):
 
 
 def save_streamed_params(checkpoint_dir: str, step: int, params) -> None:
-    """Writes a params-only checkpoint `checkpoint_dir/<step>` from a tree of StreamedArrays."""
+    """Writes a params-only checkpoint `checkpoint_dir/<step>` from a tree of StreamedArrays, with
+    each array's fingerprint in its manifest (computed from the blocks as they are written), so
+    the trainer verifies it on restore like any step."""
     registry = ocp.type_handlers.create_type_handler_registry(
         (StreamedArray, _StreamingWriter()),
         (jax.Array, ocp.type_handlers.get_type_handler(jax.Array)),
@@ -78,15 +82,45 @@ def save_streamed_params(checkpoint_dir: str, step: int, params) -> None:
     options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
     manager = ocp.CheckpointManager(os.path.abspath(checkpoint_dir), options=options,
                                     item_handlers={"params": ocp.PyTreeCheckpointHandler(type_handler_registry=registry)})
+    fingerprints = {}  # filled while the arrays are written, before Orbax commits the step with its metadata
+    params = jax.tree_util.tree_map_with_path(lambda path, leaf: _fingerprinted(leaf, f"params/{leaf_path(path)}",
+                                                                              fingerprints), params)
+    manifest = {"kind": CONVERTED, "items": ["params"], "fingerprints": fingerprints}
     try:
-        # The manifest marks it parameters-only on purpose (jaxtrain/checkpoints/checkpointer.py); its arrays are
-        # streamed, so it carries no fingerprints.
-        manifest = {MANIFEST_KEY: {"kind": CONVERTED, "items": ["params"]}}
         manager.save(step, args=ocp.args.Composite(params=ocp.args.PyTreeSave(params)), force=True,
-                     custom_metadata=manifest)
+                     custom_metadata={MANIFEST_KEY: manifest})
         manager.wait_until_finished()
     finally:
         manager.close()
+    _check_manifest_written(os.path.join(os.path.abspath(checkpoint_dir), str(step)), manifest)
+
+
+def _fingerprinted(leaf: StreamedArray, name: str, fingerprints: dict) -> StreamedArray:
+    """`leaf`, its blocks feeding fingerprints[name] as the writer takes them."""
+    def blocks():
+        fingerprint = BlockFingerprint(leaf.shape)
+        for region, block in leaf.blocks():
+            block = np.asarray(block, leaf.dtype)  # what is written: the fingerprint of the stored values
+            fingerprint.add(region, block)
+            yield region, block
+        fingerprints[name] = fingerprint.value()
+
+    return StreamedArray(leaf.shape, leaf.dtype, leaf.chunk_shape, blocks)
+
+
+def _check_manifest_written(step_dir: str, manifest: dict) -> None:
+    """Orbax writes the step metadata after the arrays, from the dict it was given: the fingerprints
+    filled in meanwhile are in it. Should a release copy that dict up front, put them in now (an
+    atomic replace of the metadata file) rather than leave a step that cannot be verified."""
+    path = os.path.join(step_dir, "_CHECKPOINT_METADATA")
+    with open(path) as f:
+        metadata = json.load(f)
+    written = metadata.get("custom_metadata", {}).get(MANIFEST_KEY, {})
+    if written.get("fingerprints") != manifest["fingerprints"]:
+        metadata.setdefault("custom_metadata", {})[MANIFEST_KEY] = manifest
+        with open(path + ".tmp", "w") as f:
+            json.dump(metadata, f)
+        os.replace(path + ".tmp", path)
 
 
 class CheckpointSource:

@@ -62,10 +62,16 @@ class TrainConfig:
     context_parallel: ContextParallel = ContextParallel()
     # resilience (jaxtrain/resilience/): a missing or dead peer, or a failure reported by one, ends
     # every process within peer_timeout_s; a step slower than hang_factor x the median step (and
-    # than hang_min_s) dumps every thread's stack and exits.
+    # than hang_min_s) dumps every thread's stack and exits (jaxtrain/resilience/watchdog.py), as
+    # does each of the first steps (compilation included) past hang_first_steps_s, and a restore,
+    # a save (with its wait for the write) or an eval past its own bound.
     peer_timeout_s: float = 60.0
     hang_factor: float = 10.0
     hang_min_s: float = 120.0
+    hang_first_steps_s: float = 3600.0
+    hang_restore_s: float = 3600.0
+    hang_save_s: float = 1800.0
+    hang_eval_s: float = 1800.0
     # A step whose loss, gradient norm or new parameters are not finite is never applied; then
     # @Halt() (exit 3), @Skip() (drop the batch) or @Rollback() (newest checkpoint, skip the batch).
     nonfinite: Any = Halt()
@@ -73,6 +79,9 @@ class TrainConfig:
     # lacking an item the run needs is otherwise an error.
     reset_on_resume: tuple[str, ...] = ()
     strict_restore: bool = False  # a corrupt newest checkpoint is an error, not a fallback
+    # A step without a manifest (or fingerprints) cannot be verified: refused (exit 4) unless True,
+    # then restored with a warning.
+    allow_unverified_restore: bool = False
     # (start, stop): a jax.profiler trace of steps start..stop into <workdir>/profile (jaxtrain/observe/profiling.py)
     profile_steps: tuple[int, int] | None = None
 
@@ -81,6 +90,10 @@ class TrainConfig:
         for name in ("steps", "global_batch", "seq_len", "microbatches", "log_every", "eval_batches",
                      "keep_checkpoints", "loss_chunk"):
             if getattr(self, name) <= 0:
+                raise ValueError(f"TrainConfig.{name} must be positive, got {getattr(self, name)}")
+        for name in ("peer_timeout_s", "hang_factor", "hang_min_s", "hang_first_steps_s", "hang_restore_s",
+                     "hang_save_s", "hang_eval_s"):
+            if not getattr(self, name) > 0:
                 raise ValueError(f"TrainConfig.{name} must be positive, got {getattr(self, name)}")
         for name in ("eval_every", "checkpoint_every"):
             if getattr(self, name) < 0:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 import jax
 import numpy as np
 
 from jaxtrain.training.batch_shards import process_batch_shard
-from jaxtrain.checkpoints.checkpointer import ALL_ITEMS, CheckpointError, Checkpointer
+from jaxtrain.checkpoints.checkpointer import ALL_ITEMS, CheckpointError, Checkpointer, IncompatibleCheckpoint
+from jaxtrain.checkpoints.compatibility import roles_changed_line
 from jaxtrain.training.config import Experiment
 from jaxtrain.training.config_types import check_config_types
 from jaxtrain.data.packing import make_eval_batches, make_train_iterator
@@ -25,7 +27,8 @@ from jaxtrain.resilience.exit_codes import RunStopped
 from jaxtrain.resilience.peers import Peers
 from jaxtrain.data.tokenizer import load_tokenizer
 from jaxtrain.training.train_setup import GroupedTrainSetup, build_train_setup
-from jaxtrain.training.workdir import WorkdirLock, check_same_model
+from jaxtrain.training.state import optimizer_roles
+from jaxtrain.training.workdir import WorkdirLock, changed_fields, check_same_model
 
 
 def check_vocabulary(exp: Experiment) -> None:
@@ -43,6 +46,15 @@ def _write_atomically(path: str, text: str) -> None:
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def _warn_about_set_aside_steps(directory: str) -> None:
+    """A run starting from step 0 next to steps moved aside earlier says so: they may be good
+    progress a later fix can resume from."""
+    aside = directory + "_corrupt"
+    if jax.process_index() == 0 and os.path.isdir(aside) and os.listdir(aside):
+        print(f"warning: no checkpoint in {directory}, but {aside} holds {sorted(os.listdir(aside))} moved aside "
+              f"earlier; starting from step 0", file=sys.stderr, flush=True)
 
 
 class Trainer:
@@ -106,17 +118,36 @@ class Trainer:
             if saved is not None:
                 check_same_model(saved, self.state_layout.disk_abstract["params"], self.exp.model, self.workdir,
                                  latest)
-        found = checkpointer.restore_latest(self.state_layout.disk_abstract, self.train_iter,
-                                            reset=t.reset_on_resume, strict=t.strict_restore)
+        try:
+            found = checkpointer.restore_latest(self.state_layout.disk_abstract, self.train_iter,
+                                                reset=t.reset_on_resume, strict=t.strict_restore,
+                                                allow_unverified=t.allow_unverified_restore)
+        except IncompatibleCheckpoint as e:
+            raise IncompatibleCheckpoint(f"{e}{self._changed_optimizer_fields()}") from None
         if found is None:
+            _warn_about_set_aside_steps(checkpointer.directory)
             self.train_iter.set_state(self.fresh_data_state)
             return self.state_layout.init(t.seed), {"data_position": 0, "skipped_batches": []}
         step, restored, manifest = found
+        roles_line = roles_changed_line(step, manifest.get("roles"), self.param_roles())
+        if roles_line and jax.process_index() == 0:
+            print(roles_line, file=sys.stderr, flush=True)
         state = self.setup.ready_to_step(self.state_layout.from_disk(restored), step)
         fresh_data = "data" in t.reset_on_resume or "data" not in manifest.get("items", ALL_ITEMS)
         position = 0 if fresh_data else manifest.get("data_position", step)
         return state, {"data_position": position, "skipped_batches": manifest.get("skipped_batches", []),
                        "step": step}
+
+    def param_roles(self) -> dict:
+        """{parameter path: optimizer role} as the manifests record them."""
+        if not hasattr(self, "_param_roles"):
+            self._param_roles = {"/".join(map(str, p)): role for p, role in optimizer_roles(self.exp.model).items()}
+        return self._param_roles
+
+    def _changed_optimizer_fields(self) -> str:
+        fields = changed_fields(os.path.join(self.workdir, "config.gin"), self.exp.optimizer)
+        return (" (changed since the saved config.gin: " + ", ".join(f"{k} {a} -> {b}" for k, a, b in fields) + ")"
+                if fields else "")
 
     def evaluate(self, params) -> dict:
         totals = {"nll": 0.0, "tokens": 0.0, "correct": 0.0}
@@ -142,9 +173,13 @@ class Trainer:
             peers = Peers(timeout_s=t.peer_timeout_s)
             checkpoint_dir = os.path.join(self.workdir, "checkpoints")
             peers.check_shared_directory(checkpoint_dir)
-            checkpointer = Checkpointer(checkpoint_dir, keep=t.keep_checkpoints, async_save=t.async_checkpoint)
+            checkpointer = Checkpointer(checkpoint_dir, keep=t.keep_checkpoints, async_save=t.async_checkpoint,
+                                        roles=self.param_roles())
             try:
                 state, resume = self.restore_or_init(checkpointer)
+            except IncompatibleCheckpoint as e:  # a config change, not a damaged step: nothing was moved
+                checkpointer.close()
+                raise RunStopped(str(e), exit_codes.BAD_INPUT) from None
             except CheckpointError as e:
                 checkpointer.close()
                 raise RunStopped(str(e), exit_codes.CHECKPOINT) from None
