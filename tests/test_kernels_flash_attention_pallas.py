@@ -36,6 +36,10 @@ CASES = {
     # l != s, permuted places, one kv head for two query heads, d=12; default blocks (fitted to
     # the short lengths: one 32-query block, one 64-key block)
     "zigzag_no_key_rows": (1, 24, 40, 2, 1, 12, 8, "zigzag", {}),
+    # a zigzag ring step at context 2: rank 0's queries (chunks 0 and 3 of four 24-token chunks)
+    # against rank 1's keys (chunks 1 and 2), 16-token blocks: 3 query x 3 key blocks, a query
+    # block that sees nothing, one half blind (straddling chunks 0 and 3), key blocks skipped
+    "zigzag_ring_step_blocks": (2, 48, 48, 4, 2, 16, 8, "ring_step", BLOCKS),
 }
 
 
@@ -50,11 +54,19 @@ def make_inputs(case, seed, dtype=jnp.float32):
         # documents: [0, 10) [10, 37) in row 0; [0, 21) [21, 37) in row 1 (ids reused per row)
         q_seg = np.stack([np.arange(l) >= 10, np.arange(l) >= 21][:b]).astype(np.int32) + 5
         kv_seg = q_seg
-    else:
+    elif places == "zigzag":
         q_index, kv_index = _zigzag_places(l, s, rng)
         # documents follow places: the boundary at place 20 cuts both query and key sets
         q_seg = np.broadcast_to(q_index >= 20, (b, l)).astype(np.int32)
         kv_seg = np.broadcast_to(kv_index >= 20, (b, s)).astype(np.int32)
+    else:  # ring_step
+        c = l // 2
+        q_index, kv_index = np.concatenate([np.arange(c), np.arange(3 * c, 4 * c)]), np.arange(c, c + s)
+        # documents [0, 20) [20, 60) [60, ...) in row 0, [0, 30) [30, 80) [80, ...) in row 1: chunk 3's
+        # queries see only the keys of their own document
+        cuts = np.array([[20, 60], [30, 80]])[:b]
+        doc = lambda places: (places[None, :, None] >= cuts[:, None, :]).sum(-1).astype(np.int32)
+        q_seg, kv_seg = doc(q_index), doc(kv_index)
     labels = tuple(jnp.asarray(x, jnp.int32) for x in (q_seg, kv_seg, q_index, kv_index))
     scale = 1.0 / np.sqrt(d)
     return (q, k, v), labels, scale
@@ -79,7 +91,8 @@ def assert_finite(*arrays):
 
 @pytest.mark.parametrize(
     "case,dtype",
-    [("packed_gqa_ragged", jnp.float32), ("zigzag_no_key_rows", jnp.float32), ("packed_gqa_ragged", jnp.bfloat16)],
+    [("packed_gqa_ragged", jnp.float32), ("zigzag_no_key_rows", jnp.float32),
+     ("zigzag_ring_step_blocks", jnp.float32), ("packed_gqa_ragged", jnp.bfloat16)],
 )
 def test_pallas_matches_reference(case, dtype):
     qkv, labels, scale = make_inputs(case, 0, dtype)
@@ -94,6 +107,9 @@ def test_pallas_matches_reference(case, dtype):
     blind = ~np.asarray(visible(q_index, kv_index, q_seg, kv_seg)).any(-1)  # [b, l]: rows that see no key
     if case == "zigzag_no_key_rows":
         assert blind.sum() == 4 * qkv[0].shape[0]  # queries at places 0..3
+    if case == "zigzag_ring_step_blocks":
+        # chunk 0 is before every key; in row 1, places 80..95 start a document after every key
+        assert blind.sum() == 24 + (24 + 16)
     tol = TOL[dtype]
     assert_close(out, want_out, tol)
     lse_rows, want_lse_rows = (np.asarray(x).transpose(0, 2, 1) for x in (lse, want_lse))  # [b, l, h]
