@@ -9,7 +9,9 @@ pipeline: `pipeline=4,schedule=interleaved2,microbatches=8,split=7/7/7/6` (the p
 bubble fraction is printed with it), and the attention and context parallelism:
 `context=16,attention=blockwise,kv=ring,order=balanced` (attention=materialized|blockwise|
 pallas|pallas_interpret|auto, kv=ring|allgather, order=balanced|contiguous). Layouts run side by side
-in one process, so their ratios are comparable even on a noisy machine. Compile-only sizing
+in one process, so their ratios are comparable even on a noisy machine; each runs on the first N
+devices of the process its own mesh names (`context=1` runs on one device whatever the config's mesh
+is). Compile-only sizing
 allocates nothing, so full-size models can be sized on CPU. --json PATH appends one JSON line per
 layout (the printed figures plus the model, batch and device) for scripts such as
 benchmarks/gpu_check.sh.
@@ -64,6 +66,20 @@ def _attention(name: str):
             "auto": impl.AutoAttention()}[name]
 
 
+def layout_devices(plan, available=None):
+    """The devices a layout's mesh runs on: the first N of this process when its axes name fewer
+    than are available (`context=1` on a config whose own mesh took 8), else all (None). The
+    simulated device count is the largest any layout or the config asks for, so smaller layouts
+    take a prefix. With several processes every device of the mesh must be named, so all."""
+    import jax
+
+    available = jax.devices() if available is None else available
+    needed = plan.mesh.fixed_device_count()
+    if -1 in plan.mesh.sizes().values() or jax.process_count() > 1 or needed >= len(available):
+        return None  # a filled axis takes every device; too few devices is build_mesh's error to name
+    return list(available[:needed])
+
+
 def bench_layout(exp, plan, *, steps: int, compile_only: bool, max_replicated: float | None = None,
                  devices=None) -> dict:
     """`max_replicated`: fail the layout (ValueError) when more than this fraction of a
@@ -87,7 +103,7 @@ def bench_layout(exp, plan, *, steps: int, compile_only: bool, max_replicated: f
         check_sufficiently_sharded(audit, max_replicated)
     t0 = time.perf_counter()
     compiled = step.lower(abstract, abstract_batch).compile()
-    out = {"compile_s": time.perf_counter() - t0, "params_replicated_gb": audit.replicated_bytes_per_device / 2**30,
+    out = {"compile_s": time.perf_counter() - t0, "devices": setup.mesh.size, "params_replicated_gb": audit.replicated_bytes_per_device / 2**30,
            "sharding_audit": audit.summary()}
     mem = compiled.memory_analysis()
     if mem is not None:
@@ -147,7 +163,7 @@ def json_record(spec: str, exp, plan, r: dict | None, error: str | None = None) 
     record = {"layout": spec, "model": type(model).__name__, "dtype": getattr(model, "dtype", None),
               "remat": getattr(model, "remat", None), "global_batch": t.global_batch, "seq_len": t.seq_len,
               "microbatches": plan.microbatches if plan else t.microbatches, "device_kind": jax.devices()[0].device_kind,
-              "devices": jax.device_count(), "flops_per_token": model.flops_per_token(t.seq_len)}
+              "devices": (r or {}).get("devices", jax.device_count()), "flops_per_token": model.flops_per_token(t.seq_len)}
     record["params"], record["active_params"] = model.param_count(), model.param_count(active_only=True)
     if error is not None:
         record["error"] = error
@@ -205,7 +221,7 @@ def main(argv=None) -> int:
         try:
             exp, plan = apply_layout(base, spec)
             result = bench_layout(exp, plan, steps=args.steps, compile_only=args.compile_only,
-                                  max_replicated=args.max_replicated)
+                                  max_replicated=args.max_replicated, devices=layout_devices(plan))
             print(format_row(name, result), flush=True)
             record(name, exp, plan, result)
         except ValueError as e:
