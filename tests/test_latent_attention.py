@@ -3,6 +3,9 @@ values and gradients as up-projecting the whole sequence first, alone and inside
 context parallelism."""
 from __future__ import annotations
 
+import functools
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,11 +92,10 @@ def mla_params(attention, seed=0):
     return graphdef, jax.tree.map(lambda a: jnp.asarray(0.3 * rng.standard_normal(a.shape), a.dtype), params)
 
 
-def test_mla_latent_path_under_context_parallel_equals_materialized():
-    """MLA with BlockwiseAttention (chunked latent path) on a data x context x tensor mesh, zigzag
-    layout, equals MaterializedAttention on one device: outputs and every gradient."""
-    graphdef_ref, params = mla_params(MaterializedAttention())
-    graphdef, _ = mla_params(BlockwiseAttention(block_q=8, block_k=8))
+MLA_MESH = MeshConfig(data=2, context=2, tensor=2)
+
+
+def mla_inputs():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((2, LENGTH, EMBED)).astype(np.float32)
     seg = packed_segments(2, LENGTH, ([7, 20], [16, 17]))
@@ -103,31 +105,68 @@ def test_mla_latent_path_under_context_parallel_equals_materialized():
             idx = np.nonzero(seg[row] == s)[0]
             positions[row, idx] = np.arange(len(idx))
     weights = rng.standard_normal((2, LENGTH, EMBED)).astype(np.float32)
+    return x, seg, positions, weights
 
-    def loss_fn(graphdef, positions, seg, weights):
-        def loss(params, x):
-            y = nnx.merge(graphdef, params)(x, positions, seg)
-            return jnp.sum(y * weights), y
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), compiler_options=QUICK)
 
-    (_, ref_y), (ref_gp, ref_gx) = loss_fn(graphdef_ref, positions, seg, weights)(params, x)
+def mla_loss(graphdef, positions, seg, weights):
+    def loss(params, x):
+        y = nnx.merge(graphdef, params)(x, positions, seg)
+        return jnp.sum(y * weights), y
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), compiler_options=QUICK)
 
-    mesh = build_mesh(MeshConfig(data=2, context=2, tensor=2), jax.devices()[:8])
+
+@functools.lru_cache(maxsize=None)
+def mla_context_parallel():
+    """MLA (BlockwiseAttention: the chunked latent path) on data x context x tensor = 2 x 2 x 2,
+    zigzag layout: (y, (d params, d x)) in the original order and the compiled step's HLO."""
+    graphdef, params = mla_params(BlockwiseAttention(block_q=8, block_k=8))
+    x, seg, positions, weights = mla_inputs()
+    mesh = build_mesh(MLA_MESH, jax.devices()[:MLA_MESH.fixed_device_count()])
     order = device_order(LoadBalanced(), LENGTH, 2)
     back = np.argsort(order)
     put = lambda a: jax.device_put(a, NamedSharding(mesh, PartitionSpec()))
     with use_rules(mesh, get_rule_set("dp")), use_context_parallel(ContextParallel(layout=LoadBalanced())):
-        step = loss_fn(graphdef, put(positions[:, order]), put(seg[:, order]), put(weights[:, order]))
-        (_, y), (gp, gx) = step(jax.tree.map(put, params), put(x[:, order]))
-    assert_close(np.asarray(y)[:, back], ref_y, "output")
-    assert_close(np.asarray(gx)[:, back], ref_gx, "d x")
+        step = mla_loss(graphdef, put(positions[:, order]), put(seg[:, order]), put(weights[:, order]))
+        args = (jax.tree.map(put, params), put(x[:, order]))
+        compiled = step.lower(*args).compile()
+        (_, y), (gp, gx) = compiled(*args)
+    return np.asarray(y)[:, back], (gp, np.asarray(gx)[:, back]), compiled.as_text()
+
+
+def test_mla_latent_path_under_context_parallel_equals_materialized():
+    """MLA with BlockwiseAttention (chunked latent path) on a data x context x tensor mesh, zigzag
+    layout, equals MaterializedAttention on one device: outputs and every gradient."""
+    graphdef_ref, params = mla_params(MaterializedAttention())
+    graphdef, _ = mla_params(BlockwiseAttention(block_q=8, block_k=8))
+    x, seg, positions, weights = mla_inputs()
+    (_, ref_y), (ref_gp, ref_gx) = mla_loss(graphdef_ref, positions, seg, weights)(params, x)
+
+    y, (gp, gx), _ = mla_context_parallel()
+    assert_close(y, ref_y, "output")
+    assert_close(gx, ref_gx, "d x")
     flat_ref = dict(jax.tree_util.tree_leaves_with_path(ref_gp))
     for path, g in jax.tree_util.tree_leaves_with_path(gp):
         assert_close(g, flat_ref[path], f"d {jax.tree_util.keystr(path)}")
 
     # Without a mesh the latent path is one direct call (a single chunk).
-    (_, y1), (gp1, gx1) = loss_fn(graphdef, positions, seg, weights)(params, x)
+    (_, y1), (gp1, gx1) = mla_loss(graphdef, positions, seg, weights)(params, x)
     assert_close(y1, ref_y, "output, no mesh")
     assert_close(gx1, ref_gx, "d x, no mesh")
     for path, g in jax.tree_util.tree_leaves_with_path(gp1):
         assert_close(g, flat_ref[path], f"d {jax.tree_util.keystr(path)}, no mesh")
+
+
+_ARRAY = re.compile(r"\b[a-z][a-z0-9]*\[([0-9,]+)\]")
+
+
+def test_mla_never_holds_per_head_keys_for_the_whole_sequence():
+    """Per device, the compiled step's per-head keys/values ([batch, length, heads, nope + rope |
+    v | nope + v], or heads before length) span a context rank's length (one chunk of the
+    latent), never the whole sequence: no array in the program has that shape."""
+    batch, heads, length = 2 // MLA_MESH.data, HEADS // MLA_MESH.tensor, LENGTH // MLA_MESH.context
+    shapes = {tuple(int(d) for d in dims.split(",")) for dims in _ARRAY.findall(mla_context_parallel()[2])}
+    per_head = (NOPE + ROPE, V, NOPE + V)
+    chunk_kv = {(batch, length, heads, w) for w in per_head}
+    assert chunk_kv & shapes, "the chunk's keys/values are not where this test looks"
+    whole = {(batch, LENGTH, heads, w) for w in per_head} | {(batch, heads, LENGTH, w) for w in per_head}
+    assert not whole & shapes, f"per-head keys/values over the whole sequence: {sorted(whole & shapes)}"
