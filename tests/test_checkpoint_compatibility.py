@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.checkpoints.checkpointer import (Checkpointer, CorruptCheckpoint, IncompatibleCheckpoint,
                                                UnverifiedCheckpoint)
-from jaxtrain.checkpoints.compatibility import roles_changed_line
+from jaxtrain.checkpoints.compatibility import moved_leaves, roles_changed_line
 from jaxtrain.checkpoints.fingerprint import BlockFingerprint, tree_fingerprints
 from jaxtrain.training.optim import OptimizerConfig, make_optimizer
 
@@ -106,6 +106,18 @@ def test_an_optimizer_state_of_another_kind_is_refused_by_name_and_nothing_moves
     assert "0/trace/w: saved absent, now [16, 8] float32" in message, message
     assert "reset_on_resume=('opt_state',)" in message
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing moved
+
+
+def test_only_positions_may_differ_for_a_carry_over():
+    f32 = ((16, 8), "float32")
+    saved = {"1/0/mu/w": f32, "1/0/nu/w": f32, "1/0/count": ((), "int32"), "1/2/count": ((), "int32")}
+    moved = {"0/0/mu/w": f32, "0/0/nu/w": f32, "0/0/count": ((), "int32"), "0/2/count": ((), "int32")}
+    assert moved_leaves(saved, moved) == {"0/0/mu/w": "1/0/mu/w", "0/0/nu/w": "1/0/nu/w",
+                                          "0/0/count": "1/0/count", "0/2/count": "1/2/count"}
+    assert moved_leaves(saved, {**moved, "0/0/nu/w": ((8, 8), "float32")}) is None  # another shape
+    assert moved_leaves(saved, {**moved, "0/0/nu/w": ((16, 8), "bfloat16")}) is None  # another dtype
+    assert moved_leaves(saved, {k: v for k, v in moved.items() if k != "0/2/count"}) is None  # a leaf fewer
+    assert moved_leaves(saved, {**moved, "0/0/trace/w": f32}) is None  # a leaf more
 
 
 def test_a_step_without_manifest_is_refused_unless_allowed_then_restored_with_a_warning(tmp_path, capsys):
