@@ -138,6 +138,18 @@ def test_mixer_under_context_parallel_equals_unsplit(mesh, layout):
     check_against_reference(TINY, MESHES[mesh], LAYOUTS[layout], rtol=1e-5)
 
 
+def test_inputs_carry_a_state_across_a_whole_chunk():
+    """The incoming state's decay is only used when a document covers a whole context chunk and
+    reaches the chunks on both sides (with two chunks the second gets the first's final state as
+    it is): the context-4 meshes above have that in both layouts, so dropping the decay from the
+    carried state fails them (context2-contiguous alone cannot see it)."""
+    seg = packed_segments()
+    for layout in LAYOUTS.values():
+        size = LENGTH // (4 * layout.chunks_per_rank)
+        spans = [seg[:, j * size - 1] == seg[:, (j + 1) * size] for j in range(1, 4 * layout.chunks_per_rank - 1)]
+        assert np.any(spans), f"no document spans three {size}-token chunks ({type(layout).__name__})"
+
+
 def test_pallas_kernels_under_context_parallel():
     """The kernels (interpreted on CPU) run per chunk inside the context shard_map; the
     reference is the unsplit XLA mixer."""
