@@ -24,6 +24,7 @@ FAST_MODULES = {
     "test_mesh", "test_strict_rules", "test_data", "test_hf_config", "test_hf_mapping", "test_hf_errors",
     "test_hlo_stats",
     "test_pipeline_split", "test_ports", "test_resilience_parts", "test_mla", "test_latent_attention",
+    "test_context_ring",
     "test_expert_exchange", "test_packing_attention", "test_moe", "test_mamba2", "test_bench_collectives",
     "test_kernels_causal_conv1d", "test_kernels_moe_routing", "test_kernels_grouped_matmul",
     "test_kernels_ssd_scan", "test_kernels_flash_attention", "test_kernels_flash_attention_pallas",
