@@ -73,6 +73,28 @@ def test_bus_bandwidth_follows_nccl_tests_conventions():
         assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * factor)
 
 
+def nccl_tests_bus_factor(op: str, n: int) -> float:
+    """nccl-tests' doc/PERFORMANCE.md: the bytes each rank's link carries per byte of the size."""
+    if op == "all_reduce":  # a ring reduce-scatter then all-gather: 2 (n-1) chunks of size/n
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):  # n-1 of the n chunks leave / arrive
+        return (n - 1) / n
+    assert op == "collective_permute"  # the whole buffer to one peer
+    return 1.0
+
+
+@pytest.mark.parametrize("op", bc.COLLECTIVES)
+def test_bus_factors_are_nccl_tests_definitions(op):
+    """The row's columns from a known size and time, for group sizes 2 to 16."""
+    collective = bc._collectives()[op]
+    for n in (2, 3, 4, 8, 16):
+        size, seconds = 48 * 2**20, 2.5e-3
+        row = bc.bandwidths(collective, n, size, seconds)
+        assert row["time_us"] == pytest.approx(2500.0)
+        assert row["algbw_GBps"] == pytest.approx(48 * 2**20 / 2.5e-3 / 1e9)
+        assert row["busbw_GBps"] == pytest.approx(48 * 2**20 / 2.5e-3 / 1e9 * nccl_tests_bus_factor(op, n)), n
+
+
 def _bench(args, **kw):
     env = child_env()
     return subprocess.Popen([sys.executable, "-m", "jaxtrain.cli.bench", "collectives", *args], cwd=REPO, env=env,

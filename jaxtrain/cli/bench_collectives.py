@@ -141,10 +141,15 @@ def measure(mesh, op: Collective, axes, size: int, *, iters: int, repeats: int, 
         t0 = time.perf_counter()
         jax.block_until_ready(fn(x))
         best = min(best, time.perf_counter() - t0)
-    seconds = best / iters
+    return {"op": op.name, "axes": "+".join(axes), "devices": n, "bytes": size,
+            **bandwidths(op, n, size, best / iters)}
+
+
+def bandwidths(op: Collective, n: int, size: int, seconds: float) -> dict:
+    """The timing columns of one row: `size` bytes (the nccl-tests size) moved by `op` over `n`
+    devices in `seconds`."""
     algbw = size / seconds / 1e9
-    return {"op": op.name, "axes": "+".join(axes), "devices": n, "bytes": size, "time_us": seconds * 1e6,
-            "algbw_GBps": algbw, "busbw_GBps": algbw * op.bus_factor(n)}
+    return {"time_us": seconds * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * op.bus_factor(n)}
 
 
 def run_all(mesh, axis_groups: Sequence[tuple[str, ...]], ops: Sequence[str], sizes: Sequence[int], *,
