@@ -8,11 +8,14 @@ Each config is read from its gin file and trained by the Trainer (the CLI's code
 Orbax checkpoints with the data iterator) from one canonical set of parameters, written as a
 parameters-only checkpoint at step 0 (so no run compiles the initializers):
   (a) 20 steps in the reference layout, every loss finite, checkpointing at step 10;
-  (b) its first 3 losses equal a 1-device run's (pipeline=1, every axis 1);
+  (b) its first 3 losses, and its parameters after step 3, equal a 1-device run's (pipeline=1,
+      every axis 1);
   (c) its step-10 checkpoint resumes on 1 device and on data=16 with the uninterrupted run's
-      losses for steps 11-13.
-The 1-device Trainer serves (b) and then (c) (one compile): its workdir receives the step-10
-checkpoint after (b), and a Trainer resumes from a workdir's latest checkpoint. The Nemotron
+      losses for steps 11-13 and its parameters after step 13.
+The reference run stops (saving) after steps 3 and 13 and resumes, so its parameters there can
+be read in canonical form. The 1-device Trainer serves (b) and then (c) (one compile): its
+workdir receives the step-10 checkpoint after (b), and a Trainer resumes from a workdir's
+latest checkpoint. The Nemotron
 case is opt-in (JAXTRAIN_SLOW_TESTS=1, see SLOW): it alone takes ~6 min.
 """
 from __future__ import annotations
@@ -30,6 +33,7 @@ import pytest
 from jaxtrain.checkpoints.checkpointer import Checkpointer
 from jaxtrain.training.config import load_experiment, parse_gin
 from jaxtrain.training.trainer import Trainer
+from helpers import assert_finite
 from meshes.mesh import MeshConfig
 from pipeline_helpers import PIPELINE_OPT, initial_params
 
@@ -38,6 +42,12 @@ pytestmark = pytest.mark.reference_layout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, SAVE_AT, RESUMED = 20, 10, 3
+COMPARED = (RESUMED, SAVE_AT + RESUMED)  # steps after which parameters are compared
+# Parameters after a few Adam steps (lr 1e-2, eps 1e-5: PIPELINE_OPT): every weight moves ~lr per
+# step, so a layout bug (a wrong shard, a lost gradient term) moves weights by ~1e-2; another
+# reduction order changes the gradient in its last bits, which eps 1e-5 keeps proportional. The
+# tolerance is 1% of one step's update, as in tests/test_parallel_equivalence.py.
+PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-4
 
 # Top-k routing is discontinuous: float noise from a change of layout flips a near-tie between
 # two experts' scores and moves that expert's weights by ~lr. Seed 0 of the initial parameters has
@@ -66,8 +76,10 @@ def load_config(name: str):
             exp = load_experiment()
     finally:
         gin.clear_config()
-    # The tests' Adam (eps 1e-5: see tests/pipeline_helpers.py); no eval before STEPS.
-    train = dataclasses.replace(exp.train, checkpoint_every=SAVE_AT, log_every=STEPS, eval_every=0)
+    # The tests' Adam (eps 1e-5: see tests/pipeline_helpers.py); no eval before STEPS; step 10 kept
+    # among the stops' checkpoints (3, 10, 13, 20).
+    train = dataclasses.replace(exp.train, checkpoint_every=SAVE_AT, log_every=STEPS, eval_every=0,
+                                keep_checkpoints=4)
     return dataclasses.replace(exp, train=train, optimizer=PIPELINE_OPT)
 
 
@@ -95,6 +107,26 @@ def assert_losses_close(actual, expected, rtol=1e-5):
     np.testing.assert_allclose(actual, expected, rtol=rtol)
 
 
+def canonical_params(trainer) -> dict:
+    """The parameters the trainer's last run ended with, as checkpoints hold them, on the host."""
+    return jax.device_get(trainer.canonical({"params": trainer.final_state["params"]})["params"])
+
+
+def assert_params_close(actual: dict, expected: dict, what: str) -> None:
+    """Leafwise within PARAM_RTOL/ATOL, both sides finite first; prints the largest difference."""
+    assert_finite(actual, what)
+    assert_finite(expected, f"{what} (reference)")
+    leaves = jax.tree_util.tree_leaves_with_path(actual)
+    expected_leaves = jax.tree.leaves(expected)
+    assert len(leaves) == len(expected_leaves) > 0, (len(leaves), len(expected_leaves))
+    worst = max(float(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)).max())
+                for (_, x), y in zip(leaves, expected_leaves))
+    print(f"{what}: largest parameter difference {worst:.3g}")
+    for (path, x), y in zip(leaves, expected_leaves):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=PARAM_RTOL, atol=PARAM_ATOL,
+                                   err_msg=f"{what}{jax.tree_util.keystr(path)}")
+
+
 @pytest.fixture(scope="module", params=CONFIGS)
 def run(request, tmp_path_factory):
     """Per config: the reference-layout run (20 steps, checkpoint at 10) and its workdirs."""
@@ -113,9 +145,14 @@ def run(request, tmp_path_factory):
 
     reference = workdir("reference_layout")
     trainer = Trainer(exp, reference)
-    history = trainer.run(stop_after=STEPS)
+    history, params = [], {}
+    for stop in (*COMPARED, STEPS):  # each stop saves; the next run resumes from that checkpoint
+        history += trainer.run(stop_after=stop)
+        if stop in COMPARED:
+            params[stop] = canonical_params(trainer)
     assert dict(trainer.mesh.shape) == dict(pipeline=2, data=2, context=2, expert=1, tensor=2)
-    return dict(name=name, exp=exp, workdir=workdir, reference=reference, history=history, trainer=trainer)
+    return dict(name=name, exp=exp, workdir=workdir, reference=reference, history=history, trainer=trainer,
+                params=params)
 
 
 @pytest.fixture(scope="module")
@@ -125,10 +162,11 @@ def one_device(run):
     exp = dataclasses.replace(run["exp"], mesh=MeshConfig(pipeline=1, data=1, context=1, expert=1, tensor=1))
     workdir = run["workdir"]("one_device")
     trainer = Trainer(exp, workdir, devices=jax.devices()[:1])
-    first = trainer.run(stop_after=3)
+    first = trainer.run(stop_after=RESUMED)
+    first_params = canonical_params(trainer)
     copy_checkpoint(run["reference"], SAVE_AT, workdir)
     resumed = trainer.run(stop_after=SAVE_AT + RESUMED)
-    return first, resumed
+    return first, first_params, resumed, canonical_params(trainer)
 
 
 def test_reference_layout_trains(run):
@@ -148,23 +186,29 @@ def test_reference_layout_trains(run):
 
 
 def test_first_steps_match_one_device(run, one_device):
-    first, _ = one_device
+    first, first_params, _, _ = one_device
     steps, losses = losses_of(first)
     assert steps == [1, 2, 3]
     assert_losses_close(losses_of(run["history"])[1][:3], losses)
+    assert_params_close(first_params, run["params"][RESUMED], f"{run['name']} 1 device, step {RESUMED}")
 
 
 def test_checkpoint_resumes_on_one_device(run, one_device):
-    _, resumed = one_device
+    _, _, resumed, resumed_params = one_device
     steps, losses = losses_of(resumed)
     assert steps == list(range(SAVE_AT + 1, SAVE_AT + RESUMED + 1))
     assert_losses_close(losses, losses_of(run["history"])[1][SAVE_AT:SAVE_AT + RESUMED])
+    assert_params_close(resumed_params, run["params"][SAVE_AT + RESUMED],
+                        f"{run['name']} resumed on 1 device, step {SAVE_AT + RESUMED}")
 
 
 def test_checkpoint_resumes_on_data16(run):
     exp = dataclasses.replace(run["exp"], mesh=MeshConfig(pipeline=1, data=16, context=1, expert=1, tensor=1))
     workdir = run["workdir"]("data16", SAVE_AT, run["reference"])
-    history = Trainer(exp, workdir).run(stop_after=SAVE_AT + RESUMED)
+    trainer = Trainer(exp, workdir)
+    history = trainer.run(stop_after=SAVE_AT + RESUMED)
     steps, losses = losses_of(history)
     assert steps == list(range(SAVE_AT + 1, SAVE_AT + RESUMED + 1))
     assert_losses_close(losses, losses_of(run["history"])[1][SAVE_AT:SAVE_AT + RESUMED])
+    assert_params_close(canonical_params(trainer), run["params"][SAVE_AT + RESUMED],
+                        f"{run['name']} resumed on data=16, step {SAVE_AT + RESUMED}")
