@@ -2,11 +2,17 @@
 model's loss -> checkpoint -> HF again."""
 from __future__ import annotations
 
+import shutil
+
 import gin
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from hf_tiny_models import save_tiny_llama
+from jaxtrain.checkpoints.checkpointer import Checkpointer, CorruptCheckpoint
+from jaxtrain.checkpoints.fingerprint import tree_fingerprints
 from jaxtrain.cli import convert
 from jaxtrain.training.config import Experiment, TrainConfig
 from jaxtrain.data.packing import DataConfig, make_train_iterator
@@ -41,6 +47,59 @@ def test_config_gin_describes_the_model(converted):
         gin.clear_config()
     assert (model.vocab_size, model.embed, model.heads, model.kv_heads, model.layers) == (320, 64, 8, 4, 2)
     assert (workdir / "checkpoints" / "0" / "params").is_dir()
+
+
+def converted_abstract_params(workdir):
+    """The converted model's parameter tree as ShapeDtypeStructs on one device."""
+    from flax import nnx
+
+    from jaxtrain.training.state import abstract_model
+    try:
+        model = convert.model_config_from_gin([str(workdir / "config.gin")])
+    finally:
+        gin.clear_config()
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one),
+                        nnx.to_pure_dict(abstract_model(model)[1]))
+
+
+def restore_step_0(checkpoints, abstract):
+    checkpointer = Checkpointer(str(checkpoints))
+    try:
+        return checkpointer.restore(0, {"params": abstract})
+    finally:
+        checkpointer.close()
+
+
+def test_converted_checkpoint_is_fingerprinted_and_verified_on_restore(converted, tmp_path):
+    _, _, workdir = converted
+    abstract = converted_abstract_params(workdir)
+    shutil.copytree(workdir / "checkpoints" / "0", tmp_path / "checkpoints" / "0")
+    manifest = Checkpointer(str(tmp_path / "checkpoints")).manifest(0)
+    restored = restore_step_0(tmp_path / "checkpoints", abstract)
+    # recorded block by block while streaming (numpy) == computed from the restored arrays (device)
+    assert manifest["kind"] == "converted" and manifest["fingerprints"] == tree_fingerprints(restored)
+
+    # One element changed, every file readable: only the fingerprints can tell.
+    params = jax.tree.map(np.array, jax.device_get(restored["params"]))  # writable copies
+    params["final_norm"]["scale"][3] += 0.5
+    shutil.rmtree(tmp_path / "checkpoints" / "0" / "params")
+    with ocp.StandardCheckpointer() as writer:
+        writer.save(tmp_path / "checkpoints" / "0" / "params", params)
+    with pytest.raises(CorruptCheckpoint, match=r"1 array\(s\) differ .*first params/final_norm/scale$"):
+        restore_step_0(tmp_path / "checkpoints", abstract)
+
+
+def test_converted_checkpoint_with_a_flipped_byte_is_corrupt(converted, tmp_path):
+    _, _, workdir = converted
+    shutil.copytree(workdir / "checkpoints" / "0", tmp_path / "checkpoints" / "0")
+    data_files = [p for p in (tmp_path / "checkpoints" / "0" / "params").rglob("*") if p.is_file()]
+    largest = max(data_files, key=lambda p: p.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    largest.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpoint, match="step 0: "):  # a fingerprint mismatch, or a chunk that no longer decodes
+        restore_step_0(tmp_path / "checkpoints", converted_abstract_params(workdir))
 
 
 def test_training_resumes_with_the_hf_models_loss(converted):
