@@ -320,3 +320,76 @@ def test_expert_exchange_rows_are_what_the_traced_step_receives(models, capacity
     assert (ep, etp) == (4, 1) and len(traced) == 1
     # capacity: ceil(cf x slots / experts) per expert, so at most one row more per expert
     assert rows <= traced.pop() <= rows + model.router.num_experts, (traced, rows)
+
+
+# ---- the time model's numbers: each collective against the ring formula ----------------------
+
+def ring_bus_bytes(op: str, n: int, nbytes: float) -> float:
+    """Bytes each device sends for a collective over n devices in a ring (nccl-tests' bus bytes):
+    all-reduce = reduce-scatter then all-gather, 2 (n-1) chunks of nbytes / n; all-gather,
+    reduce-scatter, all-to-all: n-1 chunks of nbytes / n; a permute: the whole buffer."""
+    chunks = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "all_to_all": n - 1}
+    return nbytes if op == "permute" else nbytes * chunks[op] / n
+
+
+INTRA_GBPS, INTER_GBPS = 400.0, 40.0  # measured figures (not the data sheet's): used as they are
+
+
+def one_leaf_step(leaf_kw: dict, sizes: dict, *, top_k: int = 0, microbatches: int = 2, itemsize: int = 2):
+    """The time model on a state of one parameter (the rest of ParamLeaf from `leaf_kw`) and a
+    profile of one layer kind (4 layers, width 64, bf16 activations), no compute: 8 rows of 128
+    tokens, 8 devices per node."""
+    from jaxtrain.planner.layer_profile import LayerKind, ModelProfile
+    from jaxtrain.planner.state_bytes import ParamLeaf, StateBytes
+    from jaxtrain.planner.time_model import estimate_time
+
+    sizes = dict(pipeline=1, data=1, context=1, expert=1, tensor=1) | sizes
+    kind = LayerKind(kind=("stack",), count=4, in_pattern=False, params=0, param_bytes=0, tensor_params=0,
+                     top_k=top_k, capacity_factor=None, residuals={})
+    profile = ModelProfile(kinds=(kind,), sequence=(("stack",),) * 4, embed=64, vocab=256, compute_itemsize=2,
+                           non_layer_params=0)
+    leaf = ParamLeaf(**{"path": ("stack", "w"), "shape": (), "itemsize": itemsize, "bytes_per_device": 0,
+                        "layer_count": 4, "gather_axes": (), "compute_axes": (), **leaf_kw})
+    state = StateBytes(params=0, optimizer=0, optimizer_host=0, leaves=(leaf,), num_params=0)
+    links = LinkTable(INTRA_GBPS, INTER_GBPS, source="measured.jsonl")
+    return estimate_time(profile, state, policy="none", flops_per_token=0.0, sizes=sizes, global_batch=8,
+                         seq_len=128, microbatches=microbatches, peak_flops=1e15, links=links, devices_per_node=8)
+
+
+MIB = 2**20
+GRAD = 2  # float32 gradients of a bf16 parameter: twice its bytes
+
+
+@pytest.mark.parametrize("case", ["dp_intra", "dp_inter", "zero1", "fsdp", "tensor", "experts"])
+def test_collective_seconds_are_the_ring_formula(case):
+    """Predicted seconds per collective kind = ring bus bytes / the link's bandwidth, times how
+    often the step runs it (2 microbatches; forward + backward, no remat; 4 layers)."""
+    replicated = dict(names=("layers", "mlp", "embed_in"), gathered_bytes=MIB, optimizer_bytes_per_device=MIB)
+    layer_bytes = 4 * MIB  # the leaf's 4 layers, one device's compute share
+    activation = 8 / 2 * 128 * 64 * 2  # rows per microbatch x tokens x width x bf16, one device
+    if case in ("dp_intra", "dp_inter"):  # gradients all-reduced over data, once per microbatch
+        n, gbps = (8, INTRA_GBPS) if case == "dp_intra" else (16, INTER_GBPS)
+        step = one_leaf_step(replicated, dict(data=n))
+        activation /= n
+        expected = {"gradients": 2 * ring_bus_bytes("all_reduce", n, GRAD * layer_bytes) / (gbps * 1e9)}
+    elif case == "zero1":  # gradients reduce-scattered per microbatch, the parameters gathered once
+        step = one_leaf_step(dict(replicated, optimizer_bytes_per_device=MIB // 8), dict(data=8))
+        expected = {"gradients": (2 * ring_bus_bytes("reduce_scatter", 8, GRAD * layer_bytes)
+                                  + ring_bus_bytes("all_gather", 8, layer_bytes)) / (INTRA_GBPS * 1e9)}
+    elif case == "fsdp":  # weights gathered forward and backward, per microbatch; across nodes
+        step = one_leaf_step(dict(replicated, optimizer_bytes_per_device=MIB // 16, gather_axes=("data",)),
+                             dict(data=16))
+        expected = {"fsdp": 2 * 2 * ring_bus_bytes("all_gather", 16, layer_bytes) / (INTER_GBPS * 1e9),
+                    "gradients": 2 * ring_bus_bytes("reduce_scatter", 16, GRAD * layer_bytes) / (INTER_GBPS * 1e9)}
+    elif case == "tensor":  # a row-parallel weight: its output all-reduced per layer, pass, microbatch
+        step = one_leaf_step(dict(names=("layers", "mlp", "embed"), gathered_bytes=MIB, optimizer_bytes_per_device=MIB,
+                                  compute_axes=("tensor",)), dict(tensor=4))
+        expected = {"tensor": 2 * 4 * 2 * ring_bus_bytes("all_reduce", 4, activation) / (INTRA_GBPS * 1e9)}
+    else:  # routed experts over data (EP 8): top-2 copies there and back, per layer, pass, microbatch
+        step = one_leaf_step(dict(names=("layers", "experts", "expert_embed", "expert_mlp"), gathered_bytes=MIB,
+                                  optimizer_bytes_per_device=MIB, compute_axes=("data",)), dict(data=8), top_k=2)
+        activation /= 8
+        expected = {"experts": 2 * 2 * 4 * 2 * ring_bus_bytes("all_to_all", 8, 2 * activation) / (INTRA_GBPS * 1e9)}
+    assert set(step.by_kind) == set(expected), step.by_kind
+    for kind, seconds in expected.items():
+        assert step.by_kind[kind] == pytest.approx(seconds, rel=1e-12), kind
