@@ -3,7 +3,9 @@
     state     parameters + Adam moments + the batch: state_bytes.py, exact
     temp      what the step allocates beyond its arguments, the larger of two phases:
 
-      backward  = saved activations of every layer (layer_profile.py, under the remat policy)
+      backward  = saved activations of every layer (layer_profile.py, under the remat policy;
+                  without remat a MoE layer with an expert exchange also keeps the rows it
+                  received, EP x its own slots: exchange_saved)
                 + the gradient accumulators (float32, laid out like the optimizer state)
                 + one more set of them when microbatches are accumulated
                 + the larger of
@@ -50,8 +52,25 @@ class Platform:
     exchange_factor: float = 1.0  # the expert exchange's buffers relative to the ragged exchange's
 
 
+    # Without remat, every MoE layer keeps the activations of the rows its expert exchange
+    # received for its backward pass (beyond the layer's own slots, which the traced residuals
+    # hold): (embed, expert hidden) elements per received row. A GPU keeps the sorted rows and
+    # the experts' gate, up and activation outputs in the compute dtype; XLA:CPU keeps more in
+    # float32 (its padded exchange and the tile loop's copies).
+    exchange_saved: tuple[float, float] = (1.0, 3.0)
+    # ... and then the layer's backward needs only the gradients' buffers, (embed, hidden)
+    # elements per received row, times `exchange_factor` (None: the forward's and backward's
+    # buffers, as a recomputed layer).
+    exchange_backward: tuple[float, float] | None = None
+
+
 GPU = Platform("gpu", widen_half=False)
-CPU = Platform("cpu", widen_half=True, expert_weight_copies=2.5, exchange_factor=3.0)
+# XLA:CPU's exchange constants were measured on DeepSeek-style MoE (embed 2048, expert width
+# 1024 and 2048, EP 8 and 16, 3 and 6 MoE layers, with and without a pipeline): per received
+# row, without remat, 1.2 x embed + 5.56 x hidden float32 values kept per layer and 6.9 x
+# embed + 0.54 x hidden in the layer's backward (/ exchange_factor here).
+CPU = Platform("cpu", widen_half=True, expert_weight_copies=2.5, exchange_factor=3.0,
+               exchange_saved=(1.2, 5.56), exchange_backward=(2.3, 0.18))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,16 +145,38 @@ def received_rows(kind, leaves, sizes: dict[str, int], shape: TokenShape) -> tup
 
 
 def exchange_buffers(kind, leaves, sizes: dict[str, int], shape: TokenShape, profile: ModelProfile,
-                     platform: Platform) -> float:
+                     platform: Platform, policy: str = "full") -> float:
     """Bytes of the received rows beyond the layer's own slots (the traced residuals hold
-    those): tokens in, outputs back and both gradients, and the experts' hidden activations."""
+    those) in one layer's backward: tokens in, outputs back and both gradients, and the
+    experts' hidden activations; without remat (`policy` none) the forward's part is kept per
+    layer instead (exchange_saved) and the backward holds the platform's exchange_backward."""
+    copies = (EXCHANGE_COPIES, EXPERT_HIDDEN_COPIES)
+    if policy == "none" and platform.exchange_backward is not None:
+        copies = platform.exchange_backward
+    return _received_row_bytes(kind, leaves, sizes, shape, profile, platform, copies) * platform.exchange_factor
+
+
+def exchange_saved(kind, leaves, sizes: dict[str, int], shape: TokenShape, profile: ModelProfile,
+                   platform: Platform, policy: str) -> float:
+    """Bytes one MoE layer keeps for its backward pass of the rows its exchange received beyond
+    its own slots: only without remat (under `full` and `dots_no_batch` the layer recomputes
+    them; `dots` is not measured and is counted as none of them)."""
+    if policy != "none":
+        return 0.0
+    return _received_row_bytes(kind, leaves, sizes, shape, profile, platform, platform.exchange_saved)
+
+
+def _received_row_bytes(kind, leaves, sizes, shape, profile, platform, copies: tuple[float, float]) -> float:
+    """(embed, hidden) `copies` elements of the compute dtype (widened where the platform
+    widens) per received row beyond the layer's own slots; 0 without an exchange or with fixed
+    capacity buffers (the traced layer's own size)."""
     rows, ep, etp = received_rows(kind, leaves, sizes, shape)
-    if ep == 1 or kind.capacity_factor is not None:  # capacity buffers: the traced layer's own size
+    if ep == 1 or kind.capacity_factor is not None:
         return 0.0
     hidden = _expert_hidden([leaf for leaf in leaves if "experts" in leaf.names], profile.embed)
     widen = 2 if platform.widen_half and profile.compute_itemsize == 2 else 1
-    per_row = (EXCHANGE_COPIES * profile.embed + EXPERT_HIDDEN_COPIES * hidden / etp) * profile.compute_itemsize
-    return rows * (ep - 1) / ep * per_row * widen * platform.exchange_factor
+    per_row = (copies[0] * profile.embed + copies[1] * hidden / etp) * profile.compute_itemsize
+    return rows * (ep - 1) / ep * per_row * widen
 
 
 def _expert_hidden(expert_leaves, embed: int) -> int:
@@ -162,7 +203,15 @@ def estimate_memory(profile: ModelProfile, state: StateBytes, *, policy: str, si
     working = dataclasses.replace(shape, widen_half=False)
     if sizes["pipeline"] > 1:
         policy = pipelined_policy(policy, pipeline_passes)
+    layer_leaves = [leaf for leaf in state.leaves if leaf.in_layers]
+    kind_leaves = {k.kind: [leaf for leaf in layer_leaves if tuple(leaf.path[:len(k.kind)]) == k.kind]
+                   for k in profile.kinds}
     saved, host_saved = saved_activations(profile, policy, shape)
+    kept_exchange = {k.kind: exchange_saved(k, kind_leaves[k.kind], sizes, working, profile, platform, policy)
+                     for k in profile.kinds}
+    pattern_kinds = [k.kind for k in profile.kinds if k.in_pattern]
+    saved += sum(sum(kept_exchange[p] for p in pattern_kinds) if profile.kind(path).in_pattern
+                 else kept_exchange[path] for path in profile.sequence)
     if sizes["pipeline"] > 1:
         # A stage keeps its slots' activations for every tick it has a microbatch in flight.
         in_flight = pipeline_work * pipeline_ticks / (sizes["pipeline"] * pipeline_passes)
@@ -173,7 +222,6 @@ def estimate_memory(profile: ModelProfile, state: StateBytes, *, policy: str, si
     moment = sum(leaf.optimizer_bytes_per_device for leaf in state.leaves)  # float32, like one Adam moment
     gradients = moment * (2 if microbatches > 1 else 1)
 
-    layer_leaves = [leaf for leaf in state.leaves if leaf.in_layers]
     other_leaves = [leaf for leaf in state.leaves if not leaf.in_layers]
     def unreduced_gradients(leaves) -> float:
         """Float32 gradients at the compute layout, where the optimizer layout is split further
@@ -187,10 +235,10 @@ def estimate_memory(profile: ModelProfile, state: StateBytes, *, policy: str, si
 
     layer_backward = 0.0
     for kind in profile.kinds:
-        leaves = [leaf for leaf in layer_leaves if tuple(leaf.path[:len(kind.kind)]) == kind.kind]
+        leaves = kind_leaves[kind.kind]
         layer_backward = max(layer_backward, kind.bytes("none", working) + gathered_copies(leaves)
                              + unreduced_gradients(leaves) + exchange_buffers(kind, leaves, sizes, working,
-                                                                               profile, platform))
+                                                                               profile, platform, policy))
     compute_itemsize = profile.compute_itemsize
     # The LM head (or the tied embedding) cast to the compute dtype for the logits' matmul.
     head_leaves = ([leaf for leaf in other_leaves if leaf.names[-1:] == ("vocab",)]
