@@ -80,7 +80,7 @@ def test_gin_rebuilds_the_config():
 
 @pytest.mark.parametrize("change, named", [
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"pretraining_tp": 2}, "pretraining_tp=2"),
+    ({"pretraining_tp": 0}, "pretraining_tp=0"),
     ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type='yarn'"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},

@@ -132,7 +132,6 @@ def _router_from_hf(f: HFConfigFields) -> RouterConfig:
 def config_from_hf(raw: dict, where: str = "config.json") -> DeepSeekConfig:
     f = HFConfigFields(raw, where)
     f.expect("hidden_act", ["silu"], "silu")
-    f.expect("pretraining_tp", [1], 1)
     f.expect("attention_dropout", [0, 0.0], 0.0)
     f.expect("mlp_bias", [False], False)
     f.expect("moe_layer_freq", [1], 1)  # the reference code's every-k-th-layer MoE; transformers assumes 1

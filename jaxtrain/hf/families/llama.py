@@ -39,7 +39,6 @@ TENSORS = (
 def config_from_hf(raw: dict, where: str = "config.json") -> LlamaConfig:
     f = HFConfigFields(raw, where)
     f.expect("hidden_act", ["silu"], "silu")
-    f.expect("pretraining_tp", [1], 1)
     f.expect("attention_dropout", [0, 0.0], 0.0)
     heads = f.get("num_attention_heads")
     embed = f.get("hidden_size")

@@ -7,7 +7,10 @@ otherwise:
 * every MoE layer has exactly one shared expert of width moe_shared_expert_intermediate_size
   (`n_shared_experts` is not read), and the router always has its score-correction bias;
 * `mlp_bias` reaches the MLPs, the shared expert and the latent projections, never the experts.
-On disk `save_pretrained` writes `backbone.` names and one tensor per expert
+Configs written by NVIDIA's remote code name some fields differently (`mamba_d_conv`,
+`attention_head_dim`, ...; LEGACY_NAMES): they are read as today's names, an error if both disagree.
+`sliding_window` must be null (transformers ignores it; a set value means the checkpoint was not
+trained with the full attention we compute). On disk `save_pretrained` writes `backbone.` names and one tensor per expert
 (`experts.{e}.up_proj.weight`), which is what is read and written here.
 """
 from __future__ import annotations
@@ -33,10 +36,16 @@ ACTIVATIONS = ("relu2", "silu")  # HF names whose math ours matches exactly (HF 
 # and their tensors are skipped (see ignored_hf_tensors).
 _NO_MATH = ("time_step_max", "time_step_floor", "rescale_prenorm_residual", "use_mamba_kernels",
             "mamba_ssm_cache_dtype", "num_logits_to_keep", "output_router_logits", "moe_shared_expert_overlap",
-            "n_shared_experts", "residual_in_fp32", "mamba_proj_bias", "attention_bias", "sliding_window",
+            "n_shared_experts", "residual_in_fp32", "mamba_proj_bias", "attention_bias",
             "rope_theta", "rope_parameters", "rope_scaling", "partial_rotary_factor", "norm_eps", "expand",
             "num_hidden_layers", "time_step_limit", "num_nextn_predict_layers", "mtp_layers_block_type",
             "mtp_hybrid_override_pattern")
+# The names NVIDIA's remote-code config took (transformers 5 renames them on load) -> today's. Its
+# attention_head_dim is the attention head size (transformers 5 reads only head_dim).
+LEGACY_NAMES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_expand": "expand",
+                "mamba_dt_min": "time_step_min", "mamba_dt_max": "time_step_max", "mamba_dt_limit": "time_step_limit",
+                "mamba_dt_init_floor": "time_step_floor", "mamba_conv_bias": "use_conv_bias",
+                "mamba_chunk_size": "chunk_size", "attention_head_dim": "head_dim"}
 
 LAYER = "backbone.layers.{layer}."
 
@@ -103,8 +112,20 @@ def _pattern(f: HFConfigFields) -> tuple[str, ...]:
     return tuple(HF_KINDS[t] for t in types)
 
 
+def _with_current_names(raw: dict, where: str) -> dict:
+    out = dict(raw)
+    for old, new in LEGACY_NAMES.items():
+        value = out.pop(old, None)
+        if value is None:
+            continue
+        if out.get(new) is not None and out[new] != value:
+            raise HFConfigError(f"{where}: {old}={value!r} and {new}={out[new]!r} disagree (both name one setting)")
+        out[new] = value
+    return out
+
+
 def config_from_hf(raw: dict, where: str = "config.json") -> NemotronHConfig:
-    f = HFConfigFields(raw, where)
+    f = HFConfigFields(_with_current_names(raw, where), where)
     f.expect("mamba_hidden_act", ["silu"], "silu")
     f.expect("tie_word_embeddings", [False], False)  # NemotronHForCausalLM never ties its head
     f.expect("attention_dropout", [0, 0.0], 0.0)
@@ -130,7 +151,7 @@ def config_from_hf(raw: dict, where: str = "config.json") -> NemotronHConfig:
         f.get(name, None)
     cfg = NemotronHConfig(
         vocab_size=f.get("vocab_size"), embed=embed, pattern=_pattern(f), heads=heads,
-        kv_heads=f.get("num_key_value_heads", heads), head_dim=f.get("head_dim", embed // heads),
+        kv_heads=f.get("num_key_value_heads", heads), head_dim=f.get("head_dim", 128),  # transformers' default
         mlp=f.get("intermediate_size", 21504), mlp_activation=activation, mlp_bias=f.get("mlp_bias", False), ssm=ssm,
         expert_mlp=f.get("moe_intermediate_size", 7688),
         shared_expert_mlp=f.get("moe_shared_expert_intermediate_size", 7688), moe_latent=latent, router=router,
