@@ -35,8 +35,8 @@ FAST_MODULES = {
 
 # Tests that start several jax processes on localhost (jax.distributed, gloo collectives): whole
 # modules, or single tests by name.
-MULTIPROCESS = {"test_multihost", "test_peer_faults", "test_stops", "test_cli_across_two_processes",
-                "test_one_group_per_process_trains_as_one_process"}
+MULTIPROCESS = {"test_multihost", "test_peer_faults", "test_stops", "test_startup_stops",
+                "test_cli_across_two_processes", "test_one_group_per_process_trains_as_one_process"}
 
 # Modules (or single tests, by name) outside tests/faults/ that start real processes of the CLIs,
 # scripts or a Jupyter kernel (besides MULTIPROCESS).

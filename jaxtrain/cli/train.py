@@ -2,6 +2,10 @@
 
 Trains the experiment the gin config describes (configs/default.gin when no file is given),
 resuming from the latest checkpoint in the workdir.
+
+SIGTERM or SIGINT stops the run: before its first step at once, with exit 0 and nothing written
+(start-up: jax's start, restore, compilation); from then on after the current step, saved, exit 0
+(jaxtrain/resilience/preemption.py).
 """
 from __future__ import annotations
 
@@ -17,6 +21,9 @@ def main(argv=None) -> int:
     add_common_flags(parser)
     parser.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl and TensorBoard events go here")
     args = parser.parse_args(argv)
+    from jaxtrain.resilience.preemption import StopSignals  # (imports no jax)
+
+    signals = StopSignals(exit_in_startup=True).install()  # before jax starts: start-up included
     start(args)
 
     import gin
@@ -31,7 +38,7 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
     try:  # the workdir (lock, config.gin, checkpoints) is written only from here on
-        trainer.run()
+        trainer.run(signals=signals)
     except ValueError as e:  # workdir in use, checkpoints of another model: nothing was changed
         fail(str(e))
     except RunStopped as e:

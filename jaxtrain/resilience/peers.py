@@ -4,7 +4,10 @@ Every process keeps, under `jaxtrain/peers/`:
   host/<i>    its hostname, for messages and the shared-directory check;
   beat/<i>    a counter its watcher thread raises every `period` seconds;
   failed/<i>  one line saying why process i is stopping (`report_failure`, `abort`);
-  gone/<i>    written as process i leaves: "ok" after a normal end, "failed" otherwise;
+  stopped/<i> one line saying process i stopped on a signal before its first step (`leave_stopped`):
+              the others stop too, exit 0;
+  gone/<i>    written as process i leaves: "ok" after a normal end, "stopped" after a stop
+              before the first step, "failed" otherwise;
 and its watcher thread reads that whole directory back every period (one RPC). A peer whose
 counter has not moved for `dead_after` seconds is dead; a failure line from a peer ends this
 process with exit_codes.PEER, quoting it. Both bounds fit inside `timeout_s`.
@@ -95,6 +98,7 @@ class Peers:
         self._beats: dict[int, tuple[str | None, float]] = {}  # peer -> (last counter, when it changed)
         self._gone: dict[int, str] = {}
         self._failures: dict[int, str] = {}
+        self._stopped: dict[int, str] = {}  # peers that stopped on a signal before their first step
         self._reported = False
         self._exit_code = None
         self._aborting = threading.Lock()
@@ -147,6 +151,8 @@ class Peers:
                 self._gone[j] = value
             elif kind == "failed" and j != self.index:
                 self._failures[j] = value
+            elif kind == "stopped" and j != self.index:
+                self._stopped[j] = value
             elif kind == "beat" and j in self._beats and self._beats[j][0] != value:
                 self._beats[j] = (value, now)
         if self._failures:
@@ -157,6 +163,10 @@ class Peers:
                     what = what[len(prefix):]
                     break
             return f"process {self.index}: stopping because {self.name(j)} failed: {what}"
+        if self._stopped:  # it never reached its first step, so neither can this process
+            j = min(self._stopped)
+            what = self._stopped[j].removeprefix(f"process {j}: ")
+            return f"process {self.index}: stopping because {self.name(j)} {what}"
         for j, (counter, changed) in sorted(self._beats.items()):
             if j in self._gone:
                 continue
@@ -194,7 +204,29 @@ class Peers:
             unreachable_since = None
             verdict = self._observe(entries, time.monotonic())
             if verdict and not self._stop.is_set():
-                self.abort(exit_codes.PEER, verdict, tell_peers=not self._failures)
+                self._end_on(verdict)
+
+    def _end_on(self, verdict: str) -> None:
+        """Ends this process on a verdict about its peers: exit 0 when a peer stopped on a signal
+        before its first step (and none failed), exit PEER otherwise."""
+        if self._stopped and not self._failures:
+            write_line(f"jaxtrain: {verdict}")
+            self._aborting.acquire()
+            self._leave(exit_codes.OK, "stopped")
+        self.abort(exit_codes.PEER, verdict, tell_peers=not self._failures)
+
+    def leave_stopped(self, message: str) -> None:
+        """Ends this process with exit 0 after a stop on a signal before its first step (`message`,
+        printed already): the peers learn of it and stop too (exit 0); process 0 leaves last."""
+        if not self.enabled:
+            flush_and_exit(exit_codes.OK)
+        self._aborting.acquire()
+        self._stop.set()
+        try:
+            self._set(f"stopped/{self.index}", _one_line(self._own(message)))
+        except Exception:
+            pass
+        self._leave(exit_codes.OK, "stopped")
 
     def close(self) -> None:
         """Stops watching and tells the peers this process left normally. Idempotent."""
@@ -215,14 +247,14 @@ class Peers:
         if not self._reported:
             self.close()
             return
-        self._leave_failed(self._exit_code if self._exit_code is not None else 1)
+        self._leave(self._exit_code if self._exit_code is not None else 1)
 
-    def _leave_failed(self, code: int) -> None:
-        """Marks this process gone after a failure and exits; process 0 (the coordinator's host)
-        waits, bounded, for the others first."""
+    def _leave(self, code: int, how: str = "failed") -> None:
+        """Marks this process gone (after a failure, or a stop before the first step) and exits;
+        process 0 (the coordinator's host) waits, bounded, for the others first."""
         self._stop.set()
         try:
-            self._set(f"gone/{self.index}", "failed")
+            self._set(f"gone/{self.index}", how)
         except Exception:
             pass
         if self.index == 0:
@@ -269,7 +301,7 @@ class Peers:
         self._stop.set()
         if tell_peers:
             self._publish_failure(message)
-        self._leave_failed(code)
+        self._leave(code)
 
     def _wait_for_others_to_leave(self) -> None:
         deadline = time.monotonic() + self.dead_after + 2 * self.period
@@ -328,7 +360,7 @@ class Peers:
                 line = (f"process {self.index}: {self.name(j)} left the run while this process still "
                         f"needed it ({text})")
             if line is not None:
-                self.abort(exit_codes.PEER, line, tell_peers=not self._failures)
+                self._end_on(line)
 
         verdict()
         if not any(word in text.lower() for word in _COMMUNICATION_WORDS):

@@ -1,9 +1,11 @@
-"""A thread that ends a run whose current step takes far longer than its steps usually do.
+"""A thread that ends a run stuck anywhere: in a step, in the first steps' compilation, or in a
+restore, a save or an eval, each with its own bound.
 
-The thread acts while the main thread is blocked inside XLA (a hung collective releases the
-GIL): it prints one line, dumps every thread's Python stack to stderr (faulthandler) and exits
-with exit_codes.HANG, through `peers.abort` when there are several processes (so the others
-stop too, quoting it, and process 0, which hosts the coordinator, leaves last).
+The thread acts while the main thread is blocked inside XLA, Orbax or I/O (a hung collective
+releases the GIL): it prints one line naming the phase and the bound, dumps every thread's Python
+stack to stderr (faulthandler) and exits with exit_codes.HANG, through `peers.abort` when there
+are several processes (so the others stop too, quoting it, and process 0, which hosts the
+coordinator, leaves last).
 """
 from __future__ import annotations
 
@@ -18,30 +20,48 @@ import time
 from jaxtrain.resilience import exit_codes
 from jaxtrain.resilience.peers import flush_and_exit, write_line
 
+# Work that is not a step, each bounded by TrainConfig.hang_<phase>_s.
+PHASES = ("restore", "save", "eval")
+
 
 class Watchdog:
-    """`step_started(step)` / `step_finished(step)` bracket each step as the host sees it; the
-    brackets may overlap (the metrics of a step are fetched one step late, after the next step is
-    dispatched). A step takes the time between successive `step_finished` calls. When no step has
-    finished for longer than `factor` x the median step (of the last `window` steps after the
-    first `warmup`, which include compilation and are not timed; never below `min_seconds`) while
-    a step is in flight, the thread dumps every thread's stack and exits the process with
-    exit_codes.HANG. Until a step after the warm-up has finished there is no limit. Time inside
-    `with watchdog.pause():` (saves, evals, restores) is not counted."""
+    """Steps: `step_started(step)` / `step_finished(step)` bracket each step as the host sees it;
+    the brackets may overlap (the metrics of a step are fetched one step late, after the next step
+    is dispatched). A step takes the time between successive `step_finished` calls. Each of the
+    first `warmup` steps (they include compilation) may take `first_steps_s`; after them, a step
+    may take `factor` x the median step (of the last `window` steps after the warm-up), never less
+    than `min_seconds`.
 
-    def __init__(self, *, factor: float = 10.0, min_seconds: float = 60.0, warmup: int = 2, peers=None,
-                 window: int = 50, process_index: int | None = None):
+    Phases: `with watchdog.phase("save", "save of step 6"):` bounds the work inside by
+    `bounds["save"]` seconds; step time stops while a phase runs. Phases may nest: each keeps
+    its own bound.
+
+    Past a bound the thread dumps every thread's stack and exits the process with
+    exit_codes.HANG."""
+
+    def __init__(self, *, factor: float = 10.0, min_seconds: float = 60.0, first_steps_s: float = 3600.0,
+                 bounds: dict[str, float] | None = None, warmup: int = 2, peers=None, window: int = 50,
+                 process_index: int | None = None):
         self.factor, self.min_seconds, self.warmup, self.peers = factor, min_seconds, warmup, peers
+        self.first_steps_s = first_steps_s
+        self.bounds = {name: 3600.0 for name in PHASES} | dict(bounds or {})
         self.index = process_index if process_index is not None else (peers.index if peers is not None else 0)
         self._durations = collections.deque(maxlen=window)
         self._finished = 0
         self._in_flight: dict[int, float] = {}  # step -> when it started
-        self._since = None  # the last step's finish (or the first start), pauses added
-        self._paused_since = None
+        self._since = None  # the last step's finish (or the first start), phases' time added
+        self._phases: list[tuple[str, str, float]] = []  # (name, what, started), outermost first
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None
-        self.poll_s = min(1.0, max(min_seconds / 20.0, 0.05))
+        self.poll_s = min(1.0, max(min(min_seconds, first_steps_s, *self.bounds.values()) / 20.0, 0.05))
+
+    @classmethod
+    def for_run(cls, train_config, peers=None) -> "Watchdog":
+        """The watchdog a run's TrainConfig asks for (its hang_* fields)."""
+        t = train_config
+        return cls(factor=t.hang_factor, min_seconds=t.hang_min_s, first_steps_s=t.hang_first_steps_s,
+                   bounds={name: getattr(t, f"hang_{name}_s") for name in PHASES}, peers=peers)
 
     def start(self) -> "Watchdog":
         if self._thread is None:
@@ -49,6 +69,7 @@ class Watchdog:
             self._thread.start()
         return self
 
+    # -- steps ----------------------------------------------------------------------------------
     def step_started(self, step: int) -> None:
         with self._lock:
             now = time.monotonic()
@@ -68,46 +89,64 @@ class Watchdog:
             self._since = now
             self._in_flight = {s: t for s, t in self._in_flight.items() if s > step}
 
-    def limit(self) -> float | None:
-        """Seconds without a finished step allowed; None while warming up."""
-        if not self._durations:
-            return None
+    @property
+    def warming_up(self) -> bool:
+        return not self._durations
+
+    def limit(self) -> float:
+        """Seconds without a finished step allowed now."""
+        if self.warming_up:
+            return self.first_steps_s
         return max(self.min_seconds, self.factor * statistics.median(self._durations))
 
+    # -- phases ---------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def pause(self):
-        """Context manager: work that is not a step (saves, evals) is not timed as one."""
+    def phase(self, name: str, what: str | None = None):
+        """Context manager: `name` (one of PHASES) bounded by its own limit, not timed as a step."""
+        if name not in self.bounds:
+            raise ValueError(f"unknown watchdog phase {name!r}; known: {sorted(self.bounds)}")
+        entry = (name, what or name, time.monotonic())
         with self._lock:
-            outer = self._paused_since is None
-            if outer:
-                self._paused_since = time.monotonic()
+            self._phases.append(entry)
         try:
             yield
         finally:
-            if outer:
-                with self._lock:
-                    paused = time.monotonic() - self._paused_since
-                    self._paused_since = None
-                    if self._since is not None:
-                        self._since += paused
+            with self._lock:
+                self._phases.remove(entry)
+                if not self._phases and self._since is not None:  # step time stood still meanwhile
+                    self._since += time.monotonic() - entry[2]
 
+    # -- the thread -----------------------------------------------------------------------------
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
-            with self._lock:
-                if not self._in_flight or self._paused_since is not None:
-                    continue
-                steps, since, limit = sorted(self._in_flight), self._since, self.limit()
-            elapsed = time.monotonic() - since
-            if limit is not None and elapsed > limit and not self._stop.is_set():
-                self._hang(steps, elapsed, limit)
+            verdict = self._overdue(time.monotonic())
+            if verdict is not None and not self._stop.is_set():
+                self._hang(verdict)
 
-    def _hang(self, steps: list[int], elapsed: float, limit: float) -> None:
-        median = statistics.median(self._durations)
+    def _overdue(self, now: float) -> str | None:
+        """The line to exit with if something has run past its bound, else None."""
+        with self._lock:
+            phases, steps = list(self._phases), sorted(self._in_flight)
+            since, limit, warming = self._since, self.limit(), self.warming_up
+            median = None if warming else statistics.median(self._durations)
+        for name, what, started in reversed(phases):  # the innermost first: it is where the time goes
+            bound = self.bounds[name]
+            if now - started > bound:
+                return (f"process {self.index}: hung: {what} has not finished after {now - started:.0f} s, over "
+                        f"the bound TrainConfig.hang_{name}_s={bound:g}")
+        if phases or not steps or now - since <= limit:
+            return None
         flight = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
-        message = (f"process {self.index}: hung: no step finished for {elapsed:.0f} s ({flight} in flight), "
-                   f"over the limit {limit:.0f} s = max(TrainConfig.hang_min_s={self.min_seconds:g}, "
-                   f"hang_factor={self.factor:g} x the median step {median:.3g} s); every thread's stack follows")
-        write_line(f"error: {message}")
+        if warming:
+            return (f"process {self.index}: hung: no step finished for {now - since:.0f} s ({flight} in flight, "
+                    f"among the first {self.warmup} steps, compilation included), over the bound "
+                    f"TrainConfig.hang_first_steps_s={limit:g}")
+        return (f"process {self.index}: hung: no step finished for {now - since:.0f} s ({flight} in flight), "
+                f"over the limit {limit:.0f} s = max(TrainConfig.hang_min_s={self.min_seconds:g}, "
+                f"hang_factor={self.factor:g} x the median step {median:.3g} s)")
+
+    def _hang(self, message: str) -> None:
+        write_line(f"error: {message}; every thread's stack follows")
         try:
             sys.stderr.flush()
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
@@ -116,17 +155,18 @@ class Watchdog:
             for ident, frame in sys._current_frames().items():
                 write_line(f"Thread {ident:#x}:\n" + "".join(traceback.format_stack(frame)))
         if self.peers is not None and self.peers.enabled:
-            self.peers.abort(exit_codes.HANG, message.split("; every")[0], announce=False)
+            self.peers.abort(exit_codes.HANG, message, announce=False)
         flush_and_exit(exit_codes.HANG)
 
-    def stop(self) -> None:
+    def stop(self, *, blame: bool = True) -> None:
         """Stops the thread. Called from the loop's `finally`: an exception ending the run goes to
         `peers.on_exception` first (with several processes an error may be a peer's death, which
-        gloo reports at once and without naming it; jaxtrain/resilience/peers.py)."""
+        gloo reports at once and without naming it; jaxtrain/resilience/peers.py). `blame=False`:
+        only stop the thread (the run's start-up failed; its error goes its usual way)."""
         error = sys.exc_info()[1]
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         self._thread = None
-        if error is not None and self.peers is not None:
+        if blame and error is not None and self.peers is not None:
             self.peers.on_exception(error)

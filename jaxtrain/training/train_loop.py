@@ -30,8 +30,12 @@ class _RolledBack(Exception):
 
 
 class TrainLoop:
-    def __init__(self, trainer, checkpointer, peers, state, resume: dict, stop_after: int | None):
+    def __init__(self, trainer, checkpointer, peers, state, resume: dict, stop_after: int | None, *,
+                 watchdog: Watchdog | None = None, signals: StopSignals | None = None):
+        """`watchdog` (started, already timing the run's restore) and `signals` (installed before
+        start-up by the CLI) are the Trainer's; the loop makes its own when not given."""
         self.tr, self.checkpointer, self.peers = trainer, checkpointer, peers
+        self.watchdog, self.signals = watchdog, signals
         t = trainer.exp.train
         self.t, self.state = t, state
         self.step = int(jax.device_get(state["step"]))
@@ -41,7 +45,9 @@ class TrainLoop:
         self.saved_step = resume.get("step")  # the newest step on disk, if any
         self.tracker = NonFiniteTracker(t.nonfinite)
         self.is_main = jax.process_index() == 0
-        self.writer = MetricsWriter(trainer.workdir, t.steps, self.step, enabled=self.is_main)
+        # opened at the first row, keeping the rows up to the step resumed from: a stop before the
+        # first step writes nothing
+        self._writer, self.resumed_at = None, self.step
         self.history, self.stopped_by = [], None
         self.tokens_per_step = t.global_batch * t.seq_len
         self._t0 = time.perf_counter()
@@ -55,9 +61,12 @@ class TrainLoop:
             if self.tr.pipeline_summary:
                 print(f"jaxtrain: {self.tr.pipeline_summary}", flush=True)
         # last_step: a request made while a process passes the run's last step is answered there
-        signals = StopSignals(self.peers, last_step=self.end).install()
+        own_signals = self.signals is None
+        signals = StopSignals(self.peers).install() if own_signals else self.signals.attach(self.peers)
+        signals.last_step = self.end
         self.profiler = StepProfiler(self.tr.workdir, t.profile_steps)
-        self.watchdog = Watchdog(factor=t.hang_factor, min_seconds=t.hang_min_s, peers=self.peers).start()
+        if self.watchdog is None:
+            self.watchdog = Watchdog.for_run(t, self.peers).start()
         try:
             while True:
                 try:
@@ -65,11 +74,13 @@ class TrainLoop:
                     break
                 except _RolledBack:
                     continue
+            signals.steps_began()  # (a run resumed at its end has no step to begin)
             self._finish()
         except CheckpointSaveError as e:
             message = f"process {jax.process_index()}: {e}"
             self.peers.report_failure(message)
-            self.writer.close()
+            if self._writer is not None:
+                self._writer.close()
             raise RunStopped(message, exit_codes.CHECKPOINT) from None
         except BaseException:  # halted (non-finite), or an unexpected error: keep what was saved
             try:
@@ -80,7 +91,8 @@ class TrainLoop:
         finally:
             self.profiler.close()
             self.watchdog.stop()
-            signals.restore()
+            if own_signals:
+                signals.restore()
         self._close()
         return self.history
 
@@ -91,6 +103,7 @@ class TrainLoop:
             position, batch = self._next_batch()
             self.profiler.before_step(self.step + 1)
             new_state, metrics = self.tr.train_step(self.state, batch)
+            signals.steps_began()  # compiled and dispatched: a signal now stops after a step, saved
             self.profiler.after_step(self.step + 1, (new_state, metrics))
             if pending is not None:
                 self._settle(*pending)  # the previous step's metrics, while this one runs
@@ -103,7 +116,7 @@ class TrainLoop:
                 self._settle(*pending)
                 pending = None
             if _every(self.t.eval_every, self.step) and self.step != self.end:
-                with self.watchdog.pause():
+                with self.watchdog.phase("eval", f"the eval at step {self.step}"):
                     self.writer.write(self.step, self.tr.evaluate(self.state["params"]), kind="eval")
             if checkpoint_due or stop:
                 self._save(wait=stop)
@@ -121,7 +134,7 @@ class TrainLoop:
         if self.saved_step != self.step and self.step > 0:
             self._save(wait=True)
         if self.stopped_by is None and self.step == self.t.steps:
-            with self.watchdog.pause():
+            with self.watchdog.phase("eval", f"the final eval at step {self.step}"):
                 self.writer.write(self.step, self.tr.evaluate(self.state["params"]), kind="eval")
 
     def _next_batch(self):
@@ -164,7 +177,7 @@ class TrainLoop:
     def _rollback(self) -> None:
         """Back to the newest checkpoint (or the initial state) and its data position; the
         offending batches are in the skip list, so the replay trains past them."""
-        with self.watchdog.pause():
+        with self.watchdog.phase("restore", "the rollback's restore"):
             self.checkpointer.wait()
             state, resume = self.tr.restore_or_init(self.checkpointer)
         self.state, self.step = state, int(jax.device_get(state["step"]))
@@ -178,7 +191,7 @@ class TrainLoop:
 
     # -- saving ------------------------------------------------------------------------------
     def _save(self, wait: bool) -> None:
-        with self.watchdog.pause():
+        with self.watchdog.phase("save", f"the save of step {self.step}"):
             # (every saved state is finite: the step never applies a non-finite update)
             extra = {"data_position": self.position, "skipped_batches": sorted(self.skipped)}
             self.checkpointer.save(self.step, self.tr.state_layout.to_disk(self.state), self.tr.train_iter,
@@ -195,7 +208,14 @@ class TrainLoop:
             self.peers.report_failure(message)
             raise RunStopped(message, exit_codes.CHECKPOINT) from None
         finally:
-            self.writer.close()
+            if self._writer is not None:
+                self._writer.close()
+
+    @property
+    def writer(self) -> MetricsWriter:
+        if self._writer is None:
+            self._writer = MetricsWriter(self.tr.workdir, self.t.steps, self.resumed_at, enabled=self.is_main)
+        return self._writer
 
     def _log(self, step: int, values: dict, elapsed: float) -> None:
         """One metrics row per step; the time is measured between successive fetches, so the

@@ -6,6 +6,7 @@ the run's parts come from the one assembly function (jaxtrain/training/train_set
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -25,6 +26,7 @@ from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.resilience import exit_codes
 from jaxtrain.resilience.exit_codes import RunStopped
 from jaxtrain.resilience.peers import Peers
+from jaxtrain.resilience.watchdog import Watchdog
 from jaxtrain.data.tokenizer import load_tokenizer
 from jaxtrain.training.train_setup import GroupedTrainSetup, build_train_setup
 from jaxtrain.training.state import optimizer_roles
@@ -161,22 +163,29 @@ class Trainer:
                 "tokens": totals["tokens"]}
 
     # -- loop --------------------------------------------------------------------------------
-    def run(self, stop_after: int | None = None) -> list[dict]:
+    def run(self, stop_after: int | None = None, signals=None) -> list[dict]:
         """Trains to TrainConfig.steps (or stops after `stop_after`, saving); returns the train
-        metrics rows. Raises RunStopped (with an exit code) when the run cannot go on."""
+        metrics rows. Raises RunStopped (with an exit code) when the run cannot go on.
+        `signals`: a StopSignals installed before start-up (the CLI's, which ends the process on a
+        signal before the first step); by default the loop handles signals from its first step."""
         from jaxtrain.training.train_loop import TrainLoop
 
         t = self.exp.train
         is_main = jax.process_index() == 0
         lock = WorkdirLock(self.workdir).acquire() if is_main else None
+        watchdog = None
         try:
             peers = Peers(timeout_s=t.peer_timeout_s)
+            watchdog = Watchdog.for_run(t, peers).start()  # restore, compile, steps, saves, evals
+            if signals is not None:  # a stop before the first step tells the peers from now on
+                signals.attach(peers)
             checkpoint_dir = os.path.join(self.workdir, "checkpoints")
             peers.check_shared_directory(checkpoint_dir)
             checkpointer = Checkpointer(checkpoint_dir, keep=t.keep_checkpoints, async_save=t.async_checkpoint,
                                         roles=self.param_roles())
             try:
-                state, resume = self.restore_or_init(checkpointer)
+                with watchdog.phase("restore", "the restore of the newest checkpoint (or the initialization)"):
+                    state, resume = self.restore_or_init(checkpointer)
             except IncompatibleCheckpoint as e:  # a config change, not a damaged step: nothing was moved
                 checkpointer.close()
                 raise RunStopped(str(e), exit_codes.BAD_INPUT) from None
@@ -187,12 +196,16 @@ class Trainer:
                 checkpointer.close()
                 raise
             if is_main and self.config_text is not None:  # only once the checkpoints are known to fit
-                _write_atomically(os.path.join(self.workdir, "config.gin"), self.config_text)
-            loop = TrainLoop(self, checkpointer, peers, state, resume, stop_after)
+                with signals.writing() if signals is not None else contextlib.nullcontext():
+                    _write_atomically(os.path.join(self.workdir, "config.gin"), self.config_text)
+            loop = TrainLoop(self, checkpointer, peers, state, resume, stop_after, watchdog=watchdog,
+                             signals=signals)
             history = loop.run()
             self.final_state, self.stopped_by = loop.state, loop.stopped_by
             return history
         finally:
+            if watchdog is not None:  # (the loop stops it, first telling the peers of an error)
+                watchdog.stop(blame=False)
             if lock is not None:
                 lock.release()
 

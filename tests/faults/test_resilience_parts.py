@@ -224,7 +224,7 @@ def test_a_second_sigint_exits_at_once_without_saving():
 
 # -- the watchdog ---------------------------------------------------------------------------------
 def test_the_hang_limit_follows_the_median_step_after_the_warmup():
-    w = Watchdog(factor=10, min_seconds=0.5, warmup=2)
+    w = Watchdog(factor=10, min_seconds=0.5, first_steps_s=7.0, warmup=2)
     t = [100.0]
     with mock.patch.object(time, "monotonic", lambda: t[0]):
         w.step_started(1)
@@ -232,16 +232,47 @@ def test_the_hang_limit_follows_the_median_step_after_the_warmup():
             w.step_started(step + 1)  # dispatched before the previous step's metrics are fetched
             t[0] += seconds
             w.step_finished(step)
-            assert (w.limit() is None) == (step <= 2)
+            assert w.warming_up == (step <= 2)
+            assert (w.limit() == 7.0) == (step <= 2)  # the first steps (compilation) have their own bound
         assert w.limit() == pytest.approx(0.5)  # 10 x median(0.01, 0.2, 0.01) = 0.1 < min_seconds
         w._durations.extend([0.2, 0.2, 0.2])
         assert w.limit() == pytest.approx(2.0)
         before = w._since
-        with w.pause():  # paused time does not count
+        with w.phase("save"):  # a phase's time is not step time
             t[0] += 30
         assert w._since == before + 30
         w.step_started(4)  # a replay after a rollback restarts the steps from 4
         assert sorted(w._in_flight) == [4]
+
+
+def test_each_part_of_the_run_has_its_own_bound():
+    """The first steps from the start, then restores, saves and evals (nested too), each against
+    its own bound; the line names the part and the bound's knob."""
+    w = Watchdog(factor=10, min_seconds=1.0, first_steps_s=50.0, bounds={"restore": 40.0, "save": 20.0, "eval": 30.0})
+    t = [0.0]
+    with mock.patch.object(time, "monotonic", lambda: t[0]):
+        assert w._overdue(1e6) is None  # nothing in flight: nothing to time
+        with w.phase("restore", "the restore"):
+            assert w._overdue(40.0) is None
+            assert w._overdue(40.5) == ("process 0: hung: the restore has not finished after 40 s, over the bound "
+                                        "TrainConfig.hang_restore_s=40")
+        t[0] = 100.0
+        w.step_started(1)  # compiles first: no measured steps yet, the first-steps bound
+        assert w._overdue(150.0) is None
+        assert "(step 1 in flight, among the first 2 steps, compilation included), over the bound " \
+               "TrainConfig.hang_first_steps_s=50" in w._overdue(150.5)
+        with w.phase("save", "the save of step 1"):
+            with w.phase("eval", "the eval at step 1"):  # nested: each keeps its own bound
+                assert w._overdue(100.0 + 20.5).startswith("process 0: hung: the save of step 1 has not finished")
+                t[0] = 131.0  # both over: the inner one, where the time goes, is named
+                assert w._overdue(131.0) == ("process 0: hung: the eval at step 1 has not finished after 31 s, "
+                                             "over the bound TrainConfig.hang_eval_s=30")
+            assert w._overdue(105.0) is None  # while a part runs, the step's time stands still
+        assert w._since == 131.0  # the 31 s spent in the save and eval moved the step's start
+        assert w._overdue(131.0 + 50.5) is not None and w._overdue(131.0 + 49.5) is None
+        with pytest.raises(ValueError, match="unknown watchdog phase 'compile'"):
+            with w.phase("compile"):
+                pass
 
 
 def test_a_hung_step_dumps_every_threads_stack_and_exits_hang():
