@@ -68,8 +68,8 @@ def matmul_work(jaxpr, repeats: int = 1) -> int:
         assert eqn.primitive.name != "while", "a while loop: its work cannot be counted"
         if eqn.primitive.name == "dot_general":
             (contract, _), _ = eqn.params["dimension_numbers"]
-            lhs_shape = eqn.invars[0].aval.shape
-            work += 2 * repeats * int(np.prod(eqn.outvars[0].aval.shape)) * int(np.prod([lhs_shape[d] for d in contract]))
+            contracted = int(np.prod([eqn.invars[0].aval.shape[d] for d in contract]))
+            work += 2 * repeats * int(np.prod(eqn.outvars[0].aval.shape)) * contracted
         trips = repeats * eqn.params["length"] if eqn.primitive.name == "scan" else repeats
         for value in eqn.params.values():
             for sub in (value if isinstance(value, (tuple, list)) else (value,)):
