@@ -2,7 +2,11 @@
 diverging learning rate and a poisoned batch (a token id past the vocabulary, which embeds as
 NaN). Halt exits 3 naming the step and the first non-finite gradient and writes no checkpoint
 past the last finite step; Skip and Rollback train on exactly as a run that never had the
-poisoned batch; no checkpoint of a non-finite state is ever written or rotates a good one out."""
+poisoned batch; no checkpoint of a non-finite state is ever written or rotates a good one out.
+The step's own finite check is tested directly too: an update whose new parameters alone are not
+finite is dropped."""
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -102,3 +106,41 @@ def test_skip_halts_when_the_run_keeps_diverging(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert "4 non-finite steps in a row (Skip.max_consecutive=3)" in last, last
     assert len(rows(tmp_path / "run", "nonfinite")) == 4
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 1e39 in float32, on purpose
+def test_the_step_drops_an_update_whose_new_parameters_alone_are_not_finite():
+    """Loss and gradients finite, the learning rate past float32's range (1e39 -> inf): only the
+    new parameters are not finite, and the step's finite check must see it from them (the next
+    step's loss would be NaN, one step too late: that state would have been kept). With a usual
+    learning rate the same update equals AdamW's first step computed in float64."""
+    from jaxtrain.training.optim import OptimizerConfig, make_optimizer
+    from jaxtrain.training.step import make_update
+    from meshes.rules import get_rule_set
+
+    rng = np.random.default_rng(7)
+    params = {"w": rng.normal(size=(4, 3)).astype(np.float32), "b": rng.normal(size=(3,)).astype(np.float32)}
+    grads = {k: (0.1 * rng.normal(size=v.shape)).astype(np.float32) for k, v in params.items()}  # norm < clip
+    sums, tokens = (jnp.float32(12.5), jnp.float32(0.0), jnp.float32(3.0)), jnp.float32(8.0)
+    for lr in (1e-2, 1e39):
+        cfg = OptimizerConfig(learning_rate=lr, decay="constant", warmup_steps=0)
+        tx, schedule = make_optimizer(cfg, total_steps=10)
+        update = make_update(None, tx, schedule, rules=get_rule_set("dp"), opt_state_shardings=None)
+        state = {"step": jnp.int32(0), "params": jax.tree.map(jnp.asarray, params), "opt_state": tx.init(params)}
+        new, metrics = jax.jit(lambda s, g: update(s, g, sums, {}, tokens, {}))(state, grads)
+        metrics = jax.device_get(metrics)
+        assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"]), metrics
+        if lr == 1e39:
+            assert not np.isfinite(metrics["param_norm"]) and metrics["nonfinite"] == 1.0, metrics
+            for k in params:  # the old state is kept, bit for bit
+                np.testing.assert_array_equal(np.asarray(new["params"][k]), params[k])
+            for a, b in zip(jax.tree.leaves(new["opt_state"]), jax.tree.leaves(state["opt_state"])):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            continue
+        assert metrics["nonfinite"] == 0.0 and np.isfinite(metrics["param_norm"]), metrics
+        for k, p in params.items():  # AdamW's first step: m_hat = g, v_hat = g^2
+            p64, g64 = p.astype(np.float64), grads[k].astype(np.float64)
+            expected = p64 - lr * (g64 / (np.abs(g64) + cfg.eps) + cfg.weight_decay * p64)
+            got = np.asarray(new["params"][k])
+            assert np.isfinite(got).all()
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

@@ -188,6 +188,46 @@ def test_a_request_while_a_peer_finishes_the_run_stops_at_the_last_step(coordina
     assert signals[1].stop_at == 6 and time.monotonic() - t0 < 2
 
 
+def test_processes_that_see_the_request_at_different_steps_agree_on_the_later_one(coordinator):
+    """Process 1 passed boundary 7 before process 0, signalled in step 6, published the request at
+    its boundary 6. Process 0 must not wait there for process 1's step: process 1's next boundary
+    needs process 0's step 7 (a collective), so waiting would deadlock until the peer timeout.
+    Process 1 learns of the request at boundary 8: both stop at 9 = 1 + the later step seen."""
+    peers = peers_of(coordinator, timeout_s=3.0)
+    signals = [StopSignals(p, last_step=30) for p in peers]
+    assert not signals[1].should_stop(7)  # no request yet
+    signals[0]._on_signal(signal.SIGTERM, None)
+    t0 = time.monotonic()
+    assert not signals[0].should_stop(6)  # publishes the request and its step 6, goes on
+    assert time.monotonic() - t0 < 1.0, "process 0 waited at a boundary that cannot be the stop step"
+    assert not signals[1].should_stop(8)  # sees the request, publishes 8: the stop is at 9
+    assert [s.stop_at for s in signals] == [None, 9]
+    assert [signals[0].should_stop(step) for step in (7, 8, 9)] == [False, False, True]
+    assert signals[1].should_stop(9)
+    assert [s.stop_at for s in signals] == [9, 9] and signals[1].request == "process 0: SIGTERM"
+
+
+def test_a_peer_that_stops_before_its_first_step_stops_this_process_with_exit_0(coordinator):
+    peers = Peers(10.0, client=coordinator[0], process_index=0, process_count=2, watch=False)
+    peers._hosts[1] = "nodeB"
+    message = "process 1: stopped before its first step on SIGTERM (received during start-up: restore or compilation)"
+    verdict = peers._observe({"stopped/1": message, "gone/1": "stopped"}, time.monotonic())
+    assert verdict == ("process 0: stopping because process 1 (nodeB) stopped before its first step on SIGTERM "
+                       "(received during start-up: restore or compilation)")
+    left = []
+    with mock.patch.object(Peers, "_leave", lambda self, code, how="failed": left.append((code, how))), \
+            mock.patch.object(Peers, "abort", lambda self, code, *a, **k: left.append((code, "abort"))):
+        peers._end_on(verdict)
+    assert left[0] == (exit_codes.OK, "stopped")
+    # a peer's failure outranks its stop: exit PEER
+    assert peers._observe({"failed/1": "process 1: disk full"}, time.monotonic()).endswith("failed: disk full")
+    left.clear()
+    with mock.patch.object(Peers, "_leave", lambda self, code, how="failed": left.append((code, how))), \
+            mock.patch.object(Peers, "abort", lambda self, code, *a, **k: left.append((code, "abort"))):
+        peers._end_on("x")
+    assert left[0] == (exit_codes.PEER, "abort")
+
+
 def test_one_process_stops_at_the_step_the_signal_arrived_in():
     before = signal.getsignal(signal.SIGTERM)
     signals = StopSignals(None).install()
