@@ -61,23 +61,26 @@ def test_adamw_leaves_ssm_dynamics_undecayed(family):
     move is weight decay, -lr * wd * p, so A_log, D and dt_bias stay put and weights shrink."""
     from flax import nnx
 
-    from jaxtrain.training.state import abstract_model, map_with_path
+    from jaxtrain.training.state import abstract_model
+    from meshes.tree_paths import path_keys
+
+    def by_path(tree) -> dict:
+        return {path_keys(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
     cfg = families()[family].config_class()
     roles = optimizer_roles(cfg)
     ssm = [p for p in roles if p[-1] in SSM_NO_DECAY]
     assert len(ssm) >= 3 and all(roles[p] == "no_decay" for p in ssm)
-    shapes = nnx.to_pure_dict(abstract_model(cfg)[1])
     rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape), jnp.float32), shapes)
+    params = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape), jnp.float32),
+                          nnx.to_pure_dict(abstract_model(cfg)[1]))
     lr, wd = 0.1, 0.5
     opt = OptimizerConfig(learning_rate=lr, warmup_steps=0, decay="constant", weight_decay=wd, clip_norm=None)
     tx, _ = make_optimizer(opt, 10, roles)
     updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
-    expected = map_with_path(lambda path, p: -lr * wd * np.asarray(p, np.float64) if roles[path] == "decay"
-                             else np.zeros(p.shape), params)
-    checked = map_with_path(lambda path, u: (path, np.asarray(u)), updates)
-    for (path, got), want in zip(jax.tree.leaves(checked, is_leaf=lambda x: isinstance(x, tuple)),
-                                 jax.tree.leaves(expected)):
+    updates, params = by_path(updates), by_path(params)
+    assert set(updates) == set(roles)
+    for path, got in updates.items():
+        want = -lr * wd * params[path].astype(np.float64) if roles[path] == "decay" else np.zeros(got.shape)
         assert np.isfinite(got).all(), path
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=str(path))
