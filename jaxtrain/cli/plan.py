@@ -5,7 +5,9 @@ devices' memory (jaxtrain/planner/): per layout the state, temporaries and peak 
 the memory it claims (peak + the model's error margin), the predicted step time, tokens per
 second per device and MFU, and the collectives left on the critical path; then the gin
 bindings of the best layouts. `--verify K` compiles the top K here (compile only, on simulated
-CPU devices when there is no accelerator) and prints predicted against compiled memory.
+CPU devices when there is no accelerator), prints predicted against compiled memory, and ranks
+any layout whose compiled peak exceeds the memory it claimed last (marked "does not hold its
+claim" with the compiled figure), before the gin bindings are printed.
 
 A cluster of several device groups (mixed GPUs) is planned as data parallelism across the
 groups with batch shares by speed (jaxtrain/planner/mixed.py), beside the even split and a
@@ -116,33 +118,38 @@ def main(argv=None) -> int:
           f"(claim = predicted peak + {planner.margin:.0%}); {sum(planner.refused.values())} refused by the "
           f"layout rules; matmul efficiency {planner.efficiency.matmul:.0%} of peak assumed", flush=True)
     print(ranked_table(ranked, args.top))
+    verified = []
+    if args.verify:
+        from jaxtrain.planner.verify import compiled_memory, compiling_platform, rerank_verified, verify_top
+        platform = compiling_platform()
+        verified = verify_top(ranked, planner, args.verify, lambda c: compiled_memory(exp, c), platform)
+        print(f"\n# verify: the top {args.verify} compiled here ({platform.name} memory model beside XLA's figures)")
+        print(verify_table(verified))
+        ranked = rerank_verified(ranked, verified)
+        broken = [v for v in verified if not v.holds_claim]
+        if broken:
+            print(f"\n# {len(broken)} of the verified layouts do not hold their claim and are ranked last; "
+                  f"the ranking after verifying:")
+            print(ranked_table(ranked, args.top))
     print("\n# gin bindings of the best three:")
     for i, e in enumerate(ranked[:3], 1):
         if e.fits:
             print(f"# {i}\n{gin_bindings(e, model_class)}")
     if args.json:
+        checked = {id(v.evaluation): v for v in verified}
         with open(args.json, "w") as f:
             for e in ranked:
-                f.write(json.dumps(evaluation_record(e)) + "\n")
-    if args.verify:
-        from jaxtrain.planner.verify import compiled_memory, compiling_platform
-        platform = compiling_platform()
-        rows = []
-        for e in ranked[:args.verify]:
-            compiled = compiled_memory(exp, e.candidate)
-            compiled["margin"] = planner.margin
-            rows.append((e, planner.memory(e.candidate, planner.state(e.candidate), platform), compiled))
-        print(f"\n# verify: the top {args.verify} compiled here ({platform.name} memory model beside XLA's figures)")
-        print(verify_table(rows))
-        if any("error" in c for _, _, c in rows):
-            return 1
+                f.write(json.dumps(evaluation_record(e, checked.get(id(e)))) + "\n")
+    if any("error" in v.compiled for v in verified):
+        return 1
     return 0
 
 
-def evaluation_record(e) -> dict:
+def evaluation_record(e, verified=None) -> dict:
+    """`verified`: the layout's verify.Verified when `--verify` compiled it."""
     m, t = e.memory, e.time
     gib = 2 ** 30
-    return {"layout": e.candidate.spec(), "remat": e.candidate.remat, "fits": e.fits,
+    record = {"layout": e.candidate.spec(), "remat": e.candidate.remat, "fits": e.fits,
             "params_gib": m.params / gib, "optimizer_gib": m.optimizer / gib, "optimizer_host_gib": m.optimizer_host / gib,
             "gradients_gib": m.gradients / gib, "saved_activations_gib": m.saved_activations / gib,
             "host_activations_gib": m.host_activations / gib,
@@ -150,6 +157,10 @@ def evaluation_record(e) -> dict:
             "claimed_gib": e.claimed_bytes / gib, "step_s": t.total, "compute_s": t.compute,
             "tokens_per_sec_per_device": e.tokens_per_sec_per_device, "mfu": e.mfu,
             "collectives_s": t.by_kind, "bubble_s": t.bubble}
+    if verified is not None:
+        record["verified"] = {"holds_claim": verified.holds_claim, "claim_gib": verified.claim_gb,
+                              **{k: v for k, v in verified.compiled.items()}}
+    return record
 
 
 if __name__ == "__main__":

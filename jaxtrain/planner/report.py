@@ -37,21 +37,23 @@ def gin_bindings(e: Evaluation, model_class: str) -> str:
     return f'Experiment.layout = "{e.candidate.spec()}"\n{model_class}.remat = "{e.candidate.remat}"'
 
 
-def verify_table(rows: list[tuple[Evaluation, object, dict]]) -> str:
-    """rows: (evaluation, the prediction for the compiling platform, compiled figures in GiB)."""
+def verify_table(verified: list) -> str:
+    """verify.Verified rows: predicted (for the compiling platform) against compiled memory, and
+    whether each layout holds the memory it claims."""
     head = (f"{'layout':<62} {'remat':<13} {'args pred':>9} {'args XLA':>9} {'err':>6} {'temp pred':>9} "
-            f"{'temp XLA':>9} {'err':>6} {'peak XLA':>8} {'claim':>7}  within claim")
+            f"{'temp XLA':>9} {'err':>6} {'peak XLA':>8} {'claim':>7}  verdict")
     lines = [head, "-" * len(head)]
-    for e, predicted, compiled in rows:
+    for v in verified:
+        e, predicted, compiled = v.evaluation, v.predicted, v.compiled
         layout = e.candidate.label().rsplit(" remat=", 1)[0]
         if "error" in compiled:
-            lines.append(f"{layout:<62} {e.candidate.remat:<13} compile failed: {compiled['error']}")
+            lines.append(f"{layout:<62} {e.candidate.remat:<13} {v.verdict()}")
             continue
         args, temp = compiled["argument_gb"], compiled["temp_gb"]
-        claim = predicted.peak * (1 + compiled["margin"]) / GIB
+        note = "; XLA replicated a value it could not reshard" if compiled.get("involuntary_remat") else ""
         lines.append(
             f"{layout:<62} {e.candidate.remat:<13} {predicted.arguments / GIB:>9.2f} {args:>9.2f} "
             f"{predicted.arguments / GIB / args - 1:>+6.1%} {predicted.temp / GIB:>9.2f} {temp:>9.2f} "
-            f"{predicted.temp / GIB / temp - 1:>+6.1%} {args + temp:>8.2f} {claim:>7.2f}  "
-            f"{'yes' if args + temp <= claim else 'NO'}")
+            f"{predicted.temp / GIB / temp - 1:>+6.1%} {v.peak_gb:>8.2f} {v.claim_gb:>7.2f}  "
+            f"{v.verdict() if v.holds_claim else v.verdict() + ', ranked last'}{note}")
     return "\n".join(lines)

@@ -1,0 +1,154 @@
+"""The planner's memory claims on models it was not fitted on.
+
+Model shapes are drawn at random from a small grid (dense and MoE, MLA and GQA attention,
+depths, widths, experts, top-k, bf16 and float32), each planned for 16 H100s, and layouts are
+drawn from the planner's own ranking (its first and one more of its top 40); each is compiled
+(compile only, on the 16 simulated CPU devices) through the path `--verify` uses, and the
+planner's CPU prediction must hold: arguments within 3%, temp within 25% of XLA's. A layout
+where XLA's partitioner replicates a value it cannot reshard ("involuntary full
+rematerialization", a sharding bug, not a memory term) is reported and its temp not compared.
+
+The seed is fixed (CI is deterministic) and printed. The full draw compiles 16 layouts (minutes
+on two cores): the `full_size` lane (`make test-full-size`); the default suite compiles one.
+Also here: `--verify` ranks a layout whose compiled peak exceeds its claim below the others.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxtrain.cli import plan as plan_cli
+from jaxtrain.planner.candidates import candidates
+from jaxtrain.planner.cluster import Cluster
+from jaxtrain.planner.links import LinkTable
+from jaxtrain.planner.memory_model import CPU
+from jaxtrain.planner.planner import Planner, Workload
+from jaxtrain.planner.verify import compiled_memory
+from jaxtrain.training.config import Experiment, TrainConfig
+from jaxtrain.training.optim import OptimizerConfig
+from models.deepseek import DeepSeekConfig
+from models.layers.router import RouterConfig
+from models.llama import LlamaConfig
+from models.nemotron_h import NemotronHConfig
+
+SEED = 2212
+GIB = 2 ** 30
+TRAIN = TrainConfig(global_batch=16, seq_len=1024, loss_chunk=512)
+H100_X16 = Cluster.from_args(cluster=None, device="H100", devices=16).groups[0]
+FAMILIES = ("llama", "deepseek_moe", "deepseek_dense", "nemotron_moe")
+
+
+def draw_model(rng):
+    """A model shape from the grid: Llama (GQA, dense), DeepSeek (MLA, MoE or dense), Nemotron-H
+    attention + MoE layers (GQA, MoE)."""
+    family = FAMILIES[int(rng.integers(len(FAMILIES)))]
+    embed = int(rng.choice([256, 512]))
+    dtype = str(rng.choice(["bfloat16", "float32"]))
+    layers = int(rng.choice([2, 3, 4]))
+    router = RouterConfig(num_experts=int(rng.choice([8, 16])), top_k=int(rng.choice([2, 4])))
+    expert_mlp = int(rng.choice([128, 256]))
+    if family == "llama":
+        return LlamaConfig(vocab_size=2048, embed=embed, layers=layers, heads=8, kv_heads=int(rng.choice([2, 4, 8])),
+                           mlp=2 * embed, dtype=dtype)
+    if family.startswith("deepseek"):
+        return DeepSeekConfig(vocab_size=2048, embed=embed, layers=layers,
+                              first_k_dense=layers if family == "deepseek_dense" else 1, heads=8,
+                              kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                              mlp=2 * embed, expert_mlp=expert_mlp, router=router, dtype=dtype)
+    return NemotronHConfig(vocab_size=2048, embed=embed, pattern=("attention", "moe") * max(layers // 2, 1), heads=8,
+                           kv_heads=int(rng.choice([2, 4])), head_dim=32, mlp=2 * embed, expert_mlp=expert_mlp,
+                           shared_expert_mlp=256, router=router, dtype=dtype)
+
+
+def drawn_layouts(model, rng, picks: int):
+    """(planner, evaluations): the planner's first layout for `model` on 16 H100s and
+    `picks - 1` more drawn from its top 40 (remat none or full: the two ends of the policies)."""
+    planner = Planner(Workload(model, TRAIN.global_batch, TRAIN.seq_len, TRAIN.loss_chunk), H100_X16,
+                      LinkTable(H100_X16.spec.intra_node_gbps, H100_X16.spec.inter_node_gbps))
+    ranked = planner.rank(candidates(16, devices_per_node=8, layers=planner.layers, seq_len=TRAIN.seq_len,
+                                     global_batch=TRAIN.global_batch, has_experts=planner.has_experts,
+                                     remats=("none", "full"), host_optimizer=False))
+    others = rng.choice(np.arange(1, min(40, len(ranked))), size=picks - 1, replace=False)
+    return planner, [ranked[0]] + [ranked[int(i)] for i in sorted(others)]
+
+
+def measure(draws: int, picks: int) -> list[dict]:
+    """Every drawn (model, layout): the planner's CPU prediction and XLA's compiled figures."""
+    print(f"planner property draws: seed {SEED}, {draws} models x {picks} layouts")
+    rng = np.random.default_rng(SEED)
+    rows = []
+    for _ in range(draws):
+        model = draw_model(rng)
+        planner, picked = drawn_layouts(model, rng, picks)
+        for e in picked:
+            predicted = planner.memory(e.candidate, planner.state(e.candidate), CPU)
+            compiled = compiled_memory(Experiment(model=model, train=TRAIN, optimizer=OptimizerConfig()), e.candidate)
+            row = {"model": model, "label": e.candidate.label(), "args": predicted.arguments / GIB,
+                   "temp": predicted.temp / GIB, **compiled}
+            rows.append(row)
+            if "error" not in compiled:
+                print(f"{type(model).__name__}(embed={model.embed}, {model.dtype}, {planner.layers} layers"
+                      f"{', experts' if planner.has_experts else ''}) {row['label']}: args {row['args']:.3f} / "
+                      f"{compiled['argument_gb']:.3f} GiB, temp {row['temp']:.3f} / {compiled['temp_gb']:.3f}"
+                      f" ({row['temp'] / compiled['temp_gb'] - 1:+.1%})"
+                      f"{'  [XLA: involuntary full rematerialization]' if compiled['involuntary_remat'] else ''}")
+    return rows
+
+
+def check(rows: list[dict]) -> None:
+    for row in rows:
+        assert "error" not in row, (row["label"], row["error"])  # a ranked layout must compile
+        assert np.isfinite([row["argument_gb"], row["temp_gb"]]).all() and row["temp_gb"] > 0, row
+        args_error = row["args"] / row["argument_gb"] - 1
+        assert abs(args_error) <= 0.03, (row["model"], row["label"], row["args"], row["argument_gb"])
+        if row["involuntary_remat"]:
+            continue  # XLA replicated a value: a sharding bug to fix, not a term of the model
+        temp_error = row["temp"] / row["temp_gb"] - 1
+        assert abs(temp_error) <= 0.25, (row["model"], row["label"], row["temp"], row["temp_gb"])
+
+
+@pytest.mark.full_size
+def test_memory_claims_hold_on_drawn_models_and_layouts():
+    rows = measure(draws=8, picks=2)
+    check(rows)
+    kinds = {type(r["model"]).__name__ + ("+MoE" if getattr(r["model"], "router", None) and
+                                          getattr(r["model"], "first_k_dense", 0) != r["model"].layers else "")
+             for r in rows}
+    assert len(kinds) >= 3, kinds  # the draw covers dense and MoE, MLA and GQA
+    assert sum(not r.get("involuntary_remat", False) for r in rows) >= len(rows) - 4
+
+
+def test_memory_claim_holds_on_one_drawn_model():
+    """The smoke version of the property for the default suite: one model, its first layout."""
+    check(measure(draws=1, picks=1))
+
+
+def test_verify_ranks_a_layout_that_exceeds_its_claim_below_the_others(tmp_path, capsys, monkeypatch):
+    """The first layout compiles to more than it claims (a stub for XLA): it is not ranked first,
+    the verify table says so with the compiled figure, and the gin bindings and JSON lead with
+    the next verified layout."""
+    import jaxtrain.planner.verify as verify
+
+    compiled = []
+
+    def stub(experiment, candidate):
+        compiled.append(candidate.spec())
+        temp = 1000.0 if len(compiled) == 1 else 0.001
+        return {"argument_gb": 0.001, "temp_gb": temp, "compile_s": 0.0, "involuntary_remat": False}
+
+    monkeypatch.setattr(verify, "compiled_memory", stub)
+    out_json = tmp_path / "ranked.jsonl"
+    assert plan_cli.main(["--gin_file=configs/default.gin", "--device", "H100", "--devices", "8", "--top", "4",
+                          "--remat", "full", "--verify", "2", f"--json={out_json}"]) == 0
+    out = capsys.readouterr().out
+    assert len(compiled) == 2
+    first, second = compiled
+    assert "does not hold its claim: compiled 1000.00 GiB" in out and "ranked last" in out
+    records = [json.loads(line) for line in out_json.read_text().splitlines()]
+    assert first != second and records[0]["layout"] == second and records[-1]["layout"] == first
+    assert records[0]["verified"]["holds_claim"] and not records[-1]["verified"]["holds_claim"]
+    assert records[-1]["verified"]["temp_gb"] == 1000.0
+    best = out.split("# gin bindings of the best three:")[1].split("# 2")[0]
+    assert f'Experiment.layout = "{second}"' in best and first not in best
