@@ -54,6 +54,20 @@ SMOLLM2_135M = {
     "torch_dtype": "bfloat16", "transformers_version": "4.42.3", "use_cache": True, "vocab_size": 49152,
 }
 
+# Mamba-Codestral-7B's config.json as published (transformers 4.44: norm_before_gate's default True,
+# which transformers never applied; mamba_ssm's dt-init settings; intermediate_size).
+MAMBA_CODESTRAL = {
+    "_name_or_path": "/raid/mamba2-hf/", "architectures": ["Mamba2ForCausalLM"], "bos_token_id": 0,
+    "chunk_size": 256, "conv_kernel": 4, "eos_token_id": 0, "expand": 2, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.1, "intermediate_size": 8192, "layer_norm_epsilon": 1e-05,
+    "model_type": "mamba2", "n_groups": 8, "norm_before_gate": True, "num_heads": 128, "num_hidden_layers": 64,
+    "pad_token_id": 0, "rescale_prenorm_residual": False, "residual_in_fp32": True, "rms_norm": True,
+    "state_size": 128, "tie_word_embeddings": False, "time_step_floor": 0.0001, "time_step_init_scheme": "random",
+    "time_step_limit": [0.0, float("inf")], "time_step_max": 0.1, "time_step_min": 0.001, "time_step_rank": 256,
+    "time_step_scale": 1.0, "torch_dtype": "bfloat16", "transformers_version": "4.44.0.dev0", "use_bias": False,
+    "use_cache": True, "use_conv_bias": True, "vocab_size": 32768,
+}
+
 
 def written(model_type: str, directory, **overrides) -> dict:
     """The config.json transformers' save_pretrained writes for a tiny config of this family."""
@@ -89,6 +103,14 @@ def test_published_smollm_config_converts():
     assert cfg.init_std == SMOLLM2_135M["initializer_range"] and not cfg.mlp_bias and not cfg.attention_bias
 
 
+def test_published_mamba_codestral_config_converts():
+    cfg = translate(MAMBA_CODESTRAL)
+    s = cfg.ssm
+    assert (cfg.vocab_size, cfg.embed, cfg.layers, s.heads, s.head_dim, s.state, s.groups, s.chunk_size) == (
+        32768, 4096, 64, 128, 64, 128, 8, 256)
+    assert s.time_step_limit == (0.0, None) and not cfg.tie_embeddings
+
+
 def test_convert_cli_imports_a_checkpoint_with_published_fields(tmp_path):
     """The reported failure: `python -m jaxtrain.convert --hf_dir=D` on a real Llama checkpoint."""
     from hf_tiny_models import save_tiny_llama
@@ -119,8 +141,8 @@ REFUSED = [
     ("deepseek_v2", {"mlp_bias": True}, "mlp_bias=True"),
     ("deepseek_v2", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type='longrope'"),
     ("deepseek_v2", {"scoring_func": "sigmoid"}, "scoring_func='sigmoid'"),
-    ("mamba2", {"norm_before_gate": True}, "norm_before_gate=True"),
     ("mamba2", {"rms_norm": False}, "rms_norm=False"),
+    ("mamba2", {"intermediate_size": 48}, "intermediate_size=48 must equal expand * hidden_size = 64"),
     ("mamba2", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ("nemotron_h", {"tie_word_embeddings": True}, "tie_word_embeddings=True"),
     ("nemotron_h", {"sliding_window": 1024}, "sliding_window=1024"),

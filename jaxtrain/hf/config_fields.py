@@ -79,8 +79,7 @@ CHECKED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "attention_dropout": _one_of(0, 0.0), "hidden_dropout": _one_of(0, 0.0), "resid_pdrop": _one_of(0, 0.0),
     "embd_pdrop": _one_of(0, 0.0), "neftune_noise_alpha": _one_of(0, 0.0),
     "pruned_heads": _one_of({}),
-    "norm_before_gate": _one_of(False),  # Mamba-2's gated norm: gate, then normalize
-    "rms_norm": _one_of(True),  # every norm of ours is an RMSNorm
+    "rms_norm": _one_of(True),  # every norm of ours is an RMSNorm (mamba_ssm's False: LayerNorm)
 }
 
 _MISSING = object()

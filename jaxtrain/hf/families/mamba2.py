@@ -11,8 +11,12 @@ from models.mamba2 import Mamba2Config
 LAYER = "backbone.layers.{layer}."
 BLOCK = "stacks/blocks/layers/"
 
-# Read by transformers only to initialize weights or to cache at inference: no effect on the math.
-_NO_MATH = ("time_step_rank", "rescale_prenorm_residual")
+# Read by transformers only to initialize weights or to cache at inference, or never read (mamba_ssm's
+# dt-init settings): no effect on the math. norm_before_gate: transformers' Mamba-2 always gates, then
+# normalizes (its kernels get norm_before_gate=False), while transformers 4.44-4.4x wrote its default
+# True into every config (Mamba-Codestral's included), so the field says nothing about a checkpoint.
+_NO_MATH = ("time_step_rank", "rescale_prenorm_residual", "time_step_init_scheme", "time_step_scale",
+            "norm_before_gate")
 
 
 def tensors(cfg: Mamba2Config) -> list[TensorMap]:
@@ -34,6 +38,9 @@ def config_from_hf(raw: dict, where: str = "config.json") -> Mamba2Config:
     if expand * embed != heads * head_dim:
         raise HFConfigError(f"{where}: expand * hidden_size = {expand * embed} must equal num_heads * head_dim = "
                             f"{heads * head_dim}")
+    inner = f.get("intermediate_size", expand * embed)  # older configs state it; transformers derives it
+    if inner != expand * embed:
+        raise HFConfigError(f"{where}: intermediate_size={inner} must equal expand * hidden_size = {expand * embed}")
     lo = f.get("time_step_min", 0.001)
     ssm = SSMConfig(
         heads=heads, head_dim=head_dim, state=f.get("state_size"), groups=f.get("n_groups", 8),
