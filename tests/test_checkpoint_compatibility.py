@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.checkpoints.checkpointer import (Checkpointer, CorruptCheckpoint, IncompatibleCheckpoint,
                                                UnverifiedCheckpoint)
-from jaxtrain.checkpoints.compatibility import moved_leaves, roles_changed_line
+from jaxtrain.checkpoints.compatibility import describe_differences, moved_leaves, roles_changed_line
 from jaxtrain.checkpoints.fingerprint import BlockFingerprint, tree_fingerprints
 from jaxtrain.training.optim import OptimizerConfig, make_optimizer
 
@@ -103,7 +103,7 @@ def test_an_optimizer_state_of_another_kind_is_refused_by_name_and_nothing_moves
         restore_latest(tmp_path / "ck", abstract_of(optax.sgd(0.1, momentum=0.9)))
     message = str(e.value)
     assert "step 2" in message and "saved opt_state does not fit" in message, message
-    assert "0/trace/w: saved absent, now [16, 8] float32" in message, message
+    assert "(leaves only now: 3 (0/trace/bias, 0/trace/stack, 0/trace/w); only saved: 7 (1/0/count, " in message, message
     assert "reset_on_resume=('opt_state',)" in message
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing moved
 
@@ -115,6 +115,8 @@ def test_only_positions_may_differ_for_a_carry_over():
     assert moved_leaves(saved, moved) == {"0/0/mu/w": "1/0/mu/w", "0/0/nu/w": "1/0/nu/w",
                                           "0/0/count": "1/0/count", "0/2/count": "1/2/count"}
     assert moved_leaves(saved, {**moved, "0/0/nu/w": ((8, 8), "float32")}) is None  # another shape
+    assert describe_differences(saved, {**moved, "0/0/nu/w": ((8, 8), "float32")}) == \
+        "leaves nu/w: saved [16, 8] float32, now [8, 8] float32"
     assert moved_leaves(saved, {**moved, "0/0/nu/w": ((16, 8), "bfloat16")}) is None  # another dtype
     assert moved_leaves(saved, {k: v for k, v in moved.items() if k != "0/2/count"}) is None  # a leaf fewer
     assert moved_leaves(saved, {**moved, "0/0/trace/w": f32}) is None  # a leaf more

@@ -46,31 +46,56 @@ def abstract_leaves(abstract) -> Leaves:
             for p, x in jax.tree_util.tree_leaves_with_path(abstract)}
 
 
-def differences(saved: Leaves, now: Leaves) -> list[str]:
-    """'path: saved X, now Y' for each leaf that is not the same in both."""
-    def text(leaf):
-        return "absent" if leaf is None else f"{list(leaf[0])} {leaf[1]}"
-    return [f"{p}: saved {text(saved.get(p))}, now {text(now.get(p))}"
-            for p in sorted(set(saved) | set(now)) if saved.get(p) != now.get(p)]
-
-
 def _named(path: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """A leaf path split into its names and its sequence indices."""
     parts = path.split("/")
     return tuple(p for p in parts if not p.isdigit()), tuple(int(p) for p in parts if p.isdigit())
 
 
+def _by_name(leaves: Leaves) -> dict[str, list[tuple[tuple[int, ...], str]]]:
+    """{leaf name, sequence indices set aside: [(indices, path)] in index order}."""
+    out = {}
+    for path in leaves:
+        names, indices = _named(path)
+        out.setdefault("/".join(names), []).append((indices, path))
+    return {name: sorted(paths) for name, paths in out.items()}
+
+
+def _leaf_text(leaf) -> str:
+    return "absent" if leaf is None else f"{list(leaf[0])} {leaf[1]}"
+
+
+def describe_differences(saved: Leaves, now: Leaves) -> str:
+    """The differences in a line, by leaf name (sequence indices set aside): names only one side
+    has, else the names whose leaves differ in number, shape or dtype."""
+    saved_names, now_names = _by_name(saved), _by_name(now)
+    parts = []
+    for label, mine in (("only now", now_names), ("only saved", saved_names)):
+        names = sorted(set(mine) - (set(saved_names) & set(now_names)))
+        if names:
+            paths = ", ".join(mine[n][0][1] for n in names[:3])
+            parts.append(f"{label}: {len(names)} ({paths}{', ...' if len(names) > 3 else ''})")
+    if not parts:
+        for name in sorted(now_names):
+            was = [_leaf_text(saved[p]) for _, p in saved_names[name]]
+            is_ = [_leaf_text(now[p]) for _, p in now_names[name]]
+            if was != is_:
+                parts.append(f"{name}: saved {', '.join(was)}, now {', '.join(is_)}")
+        parts = parts[:3] + (["..."] if len(parts) > 3 else [])
+    return "leaves " + "; ".join(parts)
+
+
+def differences(saved: Leaves, now: Leaves) -> list[str]:
+    """'path: saved X, now Y' for each leaf that is not the same in both."""
+    return [f"{p}: saved {_leaf_text(saved.get(p))}, now {_leaf_text(now.get(p))}"
+            for p in sorted(set(saved) | set(now)) if saved.get(p) != now.get(p)]
+
+
 def moved_leaves(saved: Leaves, now: Leaves) -> dict[str, str] | None:
     """{now path: saved path} when the trees differ in sequence indices only (the same names,
     shapes and dtypes, paired in index order); None when they differ in anything else."""
-    def groups(leaves):
-        out = {}
-        for path in leaves:
-            names, indices = _named(path)
-            out.setdefault(names, []).append((indices, path))
-        return {names: [p for _, p in sorted(paths)] for names, paths in out.items()}
-
-    saved_groups, now_groups = groups(saved), groups(now)
+    saved_groups = {n: [p for _, p in paths] for n, paths in _by_name(saved).items()}
+    now_groups = {n: [p for _, p in paths] for n, paths in _by_name(now).items()}
     if saved_groups.keys() != now_groups.keys():
         return None
     pairs = {}
@@ -110,13 +135,12 @@ def fit_item(step: int, step_dir: str, item: str, abstract) -> ItemFit:
         return ItemFit(abstract)
     moved = moved_leaves(saved, now) if item == "opt_state" else None
     if moved is None:
-        differ = differences(saved, now)
         fix = ("bind TrainConfig.reset_on_resume=('opt_state',) to start the optimizer state fresh on purpose"
                if item == "opt_state" else "train into a fresh workdir")
         raise IncompatibleCheckpoint(
             f"step {step} in {os.path.dirname(step_dir)}: the saved {item} does not fit this run's "
-            f"{'optimizer' if item == 'opt_state' else 'model'} ({len(differ)} leaf path(s) differ: "
-            f"{'; '.join(differ[:3])}{'; ...' if len(differ) > 3 else ''}). Nothing was moved: resume with "
+            f"{'optimizer' if item == 'opt_state' else 'model'} ({describe_differences(saved, now)}). Nothing was "
+            f"moved: resume with "
             f"the config that wrote it, or {fix}")
     sharding = {moved[leaf_path(p)]: x.sharding for p, x in jax.tree_util.tree_leaves_with_path(abstract)}
     target = jax.tree_util.tree_map_with_path(

@@ -182,3 +182,60 @@ def test_a_parameters_only_save_restores_without_optimizer_or_data(tmp_path):
     assert step == 0 and set(restored) == {"params"} and manifest["kind"] == "converted"
     np.testing.assert_array_equal(jax.device_get(restored["params"]["embed"]["table"]),
                                   jax.device_get(state["params"]["embed"]["table"]))
+
+
+# -- config changes are not corruption; unverifiable steps are not trained on ----------------------------
+
+def files_of(workdir) -> dict:
+    return {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file() and p.name != ".jaxtrain.lock"}
+
+
+def test_resume_without_clipping_carries_the_optimizer_state_over_with_one_line(reference, tmp_path):
+    workdir = died_after_step_8(reference, tmp_path)
+    proc = train(workdir, "TrainConfig.steps=9", "OptimizerConfig.clip_norm=None", *EVERY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notes = [line for line in proc.stderr.splitlines() if "carried over" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: step 6: opt_state carried over"), proc.stderr[-3000:]
+    assert "steps 6->9" in proc.stdout and not (workdir / "checkpoints_corrupt").exists()
+    resumed = losses(workdir)
+    assert np.isfinite(list(resumed.values())).all()
+    np.testing.assert_allclose(resumed[7], reference[1][7], rtol=1e-6)  # step 6's params, not a fresh start
+
+
+def test_resume_with_an_optimizer_of_another_structure_is_refused_and_moves_nothing(reference, tmp_path):
+    workdir = died_after_step_8(reference, tmp_path)
+    before = files_of(workdir)
+    proc = train(workdir, "TrainConfig.steps=9", *EVERY, wrapper="optimizer_faults.py",
+                 fault_env={"FAULT_MOMENTUM_TRACE": "1"})
+    assert proc.returncode == exit_codes.BAD_INPUT, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: step 6 in ") and "the saved opt_state does not fit" in last, last
+    assert "(leaves only now: 12 (1/trace/embed/table, 1/trace/final_norm/scale, " in last and "only saved" not in last, last
+    assert "Traceback" not in proc.stderr and "warning: checkpoint" not in proc.stderr
+    assert files_of(workdir) == before and not (workdir / "checkpoints_corrupt").exists()
+
+    proc = train(workdir, "TrainConfig.steps=9", *EVERY)  # the config that wrote it: resumes, not restarts
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "steps 6->9" in proc.stdout
+    resumed = losses(workdir)
+    assert np.isfinite([resumed[s] for s in range(7, 10)]).all()
+    np.testing.assert_allclose([resumed[s] for s in range(7, 10)], [reference[1][s] for s in range(7, 10)],
+                               rtol=1e-6)
+
+
+def test_a_step_without_manifest_is_refused_unless_allowed(reference, tmp_path):
+    workdir = died_after_step_8(reference, tmp_path)
+    (workdir / "checkpoints" / "6" / "_CHECKPOINT_METADATA").unlink()
+    params_of_another_step(workdir / "checkpoints" / "6")  # what was trained on silently before
+    proc = train(workdir, "TrainConfig.steps=9", *EVERY)
+    assert proc.returncode == exit_codes.CHECKPOINT, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: step 6 in ") and "has no manifest" in last, last
+    assert "TrainConfig.allow_unverified_restore=True" in last and "Traceback" not in proc.stderr
+    assert steps_on_disk(workdir) == [3, 6] and not (workdir / "checkpoints_corrupt").exists()
+
+    proc = train(workdir, "TrainConfig.steps=9", "TrainConfig.allow_unverified_restore=True", *EVERY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "step 6" in warnings[0] and "WITHOUT verification" in warnings[0], warnings
+    assert "steps 6->9" in proc.stdout

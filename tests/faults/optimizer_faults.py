@@ -1,0 +1,30 @@
+"""`python tests/faults/optimizer_faults.py <train CLI args>`: the train CLI with another optimizer.
+
+  FAULT_MOMENTUM_TRACE=1  the optimizer chain gains a stateful transform (a momentum trace of
+                          every parameter): an optimizer state of another structure than the
+                          checkpoints in the workdir hold, as a change of optimizer would make
+"""
+import os
+import sys
+
+import optax
+
+from jaxtrain.cli import train
+from jaxtrain.training import train_setup
+
+
+def _patch() -> None:
+    if os.environ.get("FAULT_MOMENTUM_TRACE") != "1":
+        return
+    original = train_setup.make_optimizer
+
+    def with_trace(*args, **kwargs):
+        tx, schedule = original(*args, **kwargs)
+        return optax.chain(tx, optax.trace(decay=0.5)), schedule
+
+    train_setup.make_optimizer = with_trace
+
+
+if __name__ == "__main__":
+    _patch()
+    sys.exit(train.main(sys.argv[1:]))
