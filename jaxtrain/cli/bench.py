@@ -103,7 +103,8 @@ def bench_layout(exp, plan, *, steps: int, compile_only: bool, max_replicated: f
         check_sufficiently_sharded(audit, max_replicated)
     t0 = time.perf_counter()
     compiled = step.lower(abstract, abstract_batch).compile()
-    out = {"compile_s": time.perf_counter() - t0, "devices": setup.mesh.size, "params_replicated_gb": audit.replicated_bytes_per_device / 2**30,
+    out = {"compile_s": time.perf_counter() - t0, "devices": setup.mesh.size,
+           "params_replicated_gb": audit.replicated_bytes_per_device / 2**30,
            "sharding_audit": audit.summary()}
     mem = compiled.memory_analysis()
     if mem is not None:
@@ -163,7 +164,8 @@ def json_record(spec: str, exp, plan, r: dict | None, error: str | None = None) 
     record = {"layout": spec, "model": type(model).__name__, "dtype": getattr(model, "dtype", None),
               "remat": getattr(model, "remat", None), "global_batch": t.global_batch, "seq_len": t.seq_len,
               "microbatches": plan.microbatches if plan else t.microbatches, "device_kind": jax.devices()[0].device_kind,
-              "devices": (r or {}).get("devices", jax.device_count()), "flops_per_token": model.flops_per_token(t.seq_len)}
+              "devices": (r or {}).get("devices", jax.device_count()),  # the layout's mesh, when it was built
+              "flops_per_token": model.flops_per_token(t.seq_len)}
     record["params"], record["active_params"] = model.param_count(), model.param_count(active_only=True)
     if error is not None:
         record["error"] = error
