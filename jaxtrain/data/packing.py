@@ -1,55 +1,50 @@
-"""Text corpora -> packed token windows -> grain iterators of numpy batches.
+"""DataConfig, raw corpus files, and the train/eval batch makers every run uses.
 
-Packing (concat-then-split): each document becomes `[bos] + tokens + [eos]`; the documents are
-concatenated (in a seeded shuffled order for training) into one int32 stream, held in memory,
-which is cut into windows of `seq_len + 1` tokens with stride `seq_len` (consecutive windows
-share one token, so every token but the first is a target exactly once). The last, partial
-window is filled with `pad_id`. Window `w` gives one example:
-
-  inputs, targets  int32 [L]  window[:-1], window[1:]
-  segment_ids      int32 [L]  1, 2, ... numbering the documents within the row; 0 = padding
-  positions        int32 [L]  0, 1, ... restarting at each segment (also at the row start)
-  loss_mask      float32 [L]  1 where the target is in the input token's document, else 0
-
-Training batch `s` of the global batch size G is `order[e][t*G:(t+1)*G]` with
-`e, t = divmod(s, steps_per_epoch)` and `order[e]` a permutation of the windows seeded by
-(seed, e); process `p` of `P` takes rows `p::P` of it. So each step's global batch is the same
-whatever the process count, and the iterator state is just the step count.
+Training reads `TokenSource`s (jaxtrain/data/store/): raw `.txt`/`.jsonl`/`save_to_disk` files
+tokenized in memory (`[bos] + tokens + [eos]` per document), token stores, or Megatron-LM
+prefixes. Packing into windows of `seq_len + 1` tokens is jaxtrain/data/store/windows.py; the
+step -> batch rule (shuffles, blends, process rows) is jaxtrain/data/store/loader.py. Raw files
+are one source among others: they give the batches they always gave.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import pathlib
 import re
-import sys
 from typing import Sequence
 
 import grain
 import numpy as np
 
+from jaxtrain.data.store import loader
+from jaxtrain.data.store.memory_source import text_files_source
+from jaxtrain.data.store.windows import WindowIndex
 from jaxtrain.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]  # jaxtrain/data/ -> the repo
-_DOC_ORDER_STREAM = 0  # separate seeded random streams for the document and window orders
-_WINDOW_ORDER_STREAM = 1
 _BLANK_LINES = re.compile(r"\n\s*\n")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     # Relative paths are looked up in the CWD, then in the repo root (the folder holding jaxtrain/).
+    # Entries: raw .txt/.jsonl files or save_to_disk folders (one corpus, tokenized at start), token
+    # store folders (python -m jaxtrain.data prepare) or Megatron-LM prefixes (prefix.bin + .idx).
     train_files: tuple[str, ...] = ("data/tiny_corpus/train.txt",)
     eval_files: tuple[str, ...] = ("data/tiny_corpus/valid.txt",)
     tokenizer: str = "bytes"  # "bytes" or a local Hugging Face tokenizer directory
     text_field: str = "text"  # the document field of .jsonl lines and datasets columns
     shuffle: bool = True  # shuffle document order once and window order every epoch
+    # Train on a weighted blend instead of train_files, as Megatron's --data-path:
+    # (weight, source, weight, source, ...), e.g. (0.7, "stores/web", 0.3, "megatron/code_text_document").
+    # Weights are normalized; each source is one entry as in train_files.
+    blend: tuple[str | float, ...] = ()
 
     def __post_init__(self):
         # Config systems hand over lists, and a lone string would iterate as characters.
-        for name in ("train_files", "eval_files"):
+        for name in ("train_files", "eval_files", "blend"):
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
 
@@ -131,7 +126,7 @@ def _read_datasets_folder(path: pathlib.Path, text_field: str) -> list[str]:
 # ----------------------------------------------------------------------------- tokenizing
 
 
-def _encode_to_array(tokenizer: Tokenizer, text: str) -> np.ndarray:
+def encode_to_array(tokenizer: Tokenizer, text: str) -> np.ndarray:
     if isinstance(tokenizer, ByteTokenizer):  # the UTF-8 bytes are the ids: skip the Python list
         return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
     return np.asarray(tokenizer.encode(text), dtype=np.int32)
@@ -141,7 +136,7 @@ def tokenize_text_stream(path: str | os.PathLike, tokenizer: Tokenizer | str) ->
     """A whole raw text file as one int32 token stream: no paragraph splitting, no specials."""
     if isinstance(tokenizer, str):
         tokenizer = load_tokenizer(tokenizer)
-    return _encode_to_array(tokenizer, _read_utf8(resolve_path(path)))
+    return encode_to_array(tokenizer, _read_utf8(resolve_path(path)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,89 +148,39 @@ class PackedStream:
     pad_id: int
 
 
-def pack_documents(documents: Sequence[str], tokenizer: Tokenizer) -> PackedStream:
-    """`[bos] + tokens + [eos]` for each document, in the given order, concatenated."""
-    bos, eos = np.int32(tokenizer.bos_id), np.int32(tokenizer.eos_id)
-    pieces = [np.concatenate([[bos], _encode_to_array(tokenizer, doc), [eos]]) for doc in documents]
-    lengths = [len(piece) for piece in pieces]
-    tokens = np.concatenate(pieces).astype(np.int32)
-    doc_ids = np.repeat(np.arange(len(pieces), dtype=np.int32), lengths)
-    return PackedStream(tokens, doc_ids, int(tokenizer.pad_id))
-
-
-def _file_key(path: pathlib.Path) -> tuple[str, int, int]:
-    stat = path.stat()  # so an edited file is read again rather than served from the cache
-    return str(path), stat.st_mtime_ns, stat.st_size
-
-
-@functools.lru_cache(maxsize=4)
-def _cached_stream(
-    file_keys: tuple[tuple[str, int, int], ...],
-    tokenizer_spec: str,
-    text_field: str,
-    doc_seed: int | None,
-) -> PackedStream:
-    paths = [pathlib.Path(key[0]) for key in file_keys]
-    documents = [doc for path in paths for doc in read_documents(path, text_field)]
-    if not documents:
-        raise ValueError(f"empty corpus: {', '.join(map(str, paths)) or '(no files given)'}")
-    if doc_seed is not None:
-        order = np.random.default_rng([_DOC_ORDER_STREAM, doc_seed]).permutation(len(documents))
-        documents = [documents[i] for i in order]
-    stream = pack_documents(documents, load_tokenizer(tokenizer_spec))
-    stream.tokens.flags.writeable = False  # shared by every caller of the cache
-    stream.doc_ids.flags.writeable = False
-    return stream
-
-
 def load_stream(
     files: Sequence[str], tokenizer_spec: str, text_field: str, doc_seed: int | None
 ) -> PackedStream:
-    """The packed stream of `files`, documents shuffled by `doc_seed` (None: file order)."""
-    keys = tuple(_file_key(resolve_path(f)) for f in files)
-    return _cached_stream(keys, tokenizer_spec, text_field, doc_seed)
+    """The packed stream of raw `files`, documents shuffled by `doc_seed` (None: file order), built
+    whole: a view for inspecting small corpora; training reads windows (WindowIndex) instead."""
+    source = text_files_source(files, tokenizer_spec, text_field)
+    order = WindowIndex(source, 1, loader.document_order(source, doc_seed)).doc_order
+    tokens = np.concatenate([source.tokens(int(d)) for d in order])
+    doc_ids = np.repeat(np.arange(len(order), dtype=np.int32), source.document_lengths[order])
+    return PackedStream(tokens, doc_ids, source.pad_id)
 
 
-# ----------------------------------------------------------------------------- windows
+# ----------------------------------------------------------------------------- sources
 
 
-class PackedWindows:
-    """The stream cut into windows of `seq_len + 1` tokens, stride `seq_len`, last one padded."""
+def train_sources(cfg: DataConfig) -> list[tuple[float, object]]:
+    """(weight, TokenSource) of each training source: DataConfig.blend's, else train_files as one."""
+    from jaxtrain.data.store.training_sources import corpus_source, parse_blend
 
-    def __init__(self, stream: PackedStream, seq_len: int):
-        if seq_len < 1:
-            raise ValueError(f"seq_len must be positive, got {seq_len}")
-        self.seq_len = seq_len
-        self.pad_id = stream.pad_id
-        n = len(stream.tokens)
-        self.count = max(1, -(-(n - 1) // seq_len))
-        padded = self.count * seq_len + 1
-        self._tokens = np.full(padded, stream.pad_id, np.int32)
-        self._tokens[:n] = stream.tokens
-        self._doc_ids = np.full(padded, -1, np.int32)  # -1 marks padding
-        self._doc_ids[:n] = stream.doc_ids
+    if cfg.blend:
+        return [(weight, corpus_source([path], cfg.tokenizer, cfg.text_field))
+                for weight, path in parse_blend(cfg.blend)]
+    return [(1.0, corpus_source(cfg.train_files, cfg.tokenizer, cfg.text_field))]
 
-    def examples(self, rows: np.ndarray) -> dict[str, np.ndarray]:
-        """One example per entry of `rows` (window indices); a negative index is an all-padding row."""
-        rows = np.asarray(rows, np.int64)
-        length = self.seq_len
-        span = np.maximum(rows, 0)[:, None] * length + np.arange(length + 1)
-        tokens, doc = self._tokens[span], self._doc_ids[span]
-        tokens[rows < 0] = self.pad_id
-        doc[rows < 0] = -1
-        doc_in, doc_out = doc[:, :-1], doc[:, 1:]
-        real = doc_in >= 0
-        starts = np.ones(doc_in.shape, bool)
-        starts[:, 1:] = doc_in[:, 1:] != doc_in[:, :-1]
-        column = np.arange(length)
-        last_start = np.maximum.accumulate(np.where(starts, column, 0), axis=1)
-        return {
-            "inputs": tokens[:, :-1],
-            "targets": tokens[:, 1:],
-            "segment_ids": np.where(real, np.cumsum(starts, axis=1), 0).astype(np.int32),
-            "positions": np.where(real, column - last_start, 0).astype(np.int32),
-            "loss_mask": (real & (doc_out == doc_in)).astype(np.float32),
-        }
+
+def check_sources_fit(cfg: DataConfig, vocab_size: int, model_name: str) -> None:
+    """Every training and eval source's token ids fit the model's vocabulary (one line naming
+    the source otherwise)."""
+    from jaxtrain.data.store.training_sources import check_fits_vocabulary, corpus_source
+
+    sources = [source for _, source in train_sources(cfg)]
+    sources.append(corpus_source(cfg.eval_files, cfg.tokenizer, cfg.text_field))
+    check_fits_vocabulary(sources, vocab_size, model_name)
 
 
 def _local_batch(batch: int, process_index: int, process_count: int) -> int:
@@ -250,35 +195,7 @@ def _local_batch(batch: int, process_index: int, process_count: int) -> int:
 
 # ----------------------------------------------------------------------------- iterators
 
-
-class _TrainBatchAtStep:
-    """step -> this process's batch; a pure function of the step, so grain can checkpoint it."""
-
-    def __init__(self, windows, global_batch, seed, shuffle, process_index, process_count):
-        self.windows = windows
-        self.global_batch = global_batch
-        self.steps_per_epoch = windows.count // global_batch
-        self.seed, self.shuffle = seed, shuffle
-        self.process_index, self.process_count = process_index, process_count
-        self._last_order = (-1, None)  # (epoch, order): a plain tuple keeps this picklable
-
-    def _epoch_order(self, epoch: int) -> np.ndarray:
-        cached_epoch, order = self._last_order  # one read, so a racing thread can't mix entries
-        if cached_epoch == epoch:
-            return order
-        if self.shuffle:
-            rng = np.random.default_rng([_WINDOW_ORDER_STREAM, self.seed, epoch])
-            order = rng.permutation(self.windows.count)
-        else:
-            order = np.arange(self.windows.count)
-        self._last_order = (epoch, order)
-        return order
-
-    def __call__(self, step: int) -> dict[str, np.ndarray]:
-        epoch, step_in_epoch = divmod(int(step), self.steps_per_epoch)
-        start = step_in_epoch * self.global_batch
-        global_rows = self._epoch_order(epoch)[start:start + self.global_batch]
-        return self.windows.examples(global_rows[self.process_index::self.process_count])
+_TrainBatchAtStep = loader.TrainBatchAtStep  # (tests/faults/data_faults.py patches its __call__)
 
 
 def make_train_iterator(
@@ -293,26 +210,30 @@ def make_train_iterator(
     """Endless iterator of this process's `global_batch // process_count` rows per step.
 
     Supports `get_state()` / `set_state()` (and so grain.checkpoint.CheckpointSave/Restore).
-    Windows left over after the last full global batch of an epoch are skipped that epoch.
+    One corpus: windows left over after the last full global batch of an epoch are skipped that
+    epoch. A blend: each source runs through its own epochs (jaxtrain/data/store/loader.py).
     """
     _local_batch(global_batch, process_index, process_count)
     if seed < 0:
         raise ValueError(f"seed must be non-negative, got {seed}")
     doc_seed = seed if cfg.shuffle else None
-    stream = load_stream(cfg.train_files, cfg.tokenizer, cfg.text_field, doc_seed)
-    windows = PackedWindows(stream, seq_len)
-    if windows.count < global_batch:
-        raise ValueError(
-            f"training corpus {', '.join(cfg.train_files)} has only {windows.count} windows of "
-            f"{seq_len + 1} tokens, fewer than the global batch {global_batch}"
+    weighted = train_sources(cfg)
+    if not cfg.blend:
+        source = weighted[0][1]
+        windows = WindowIndex(source, seq_len, loader.document_order(source, doc_seed))
+        if windows.count < global_batch:
+            raise ValueError(
+                f"training corpus {', '.join(cfg.train_files)} has only {windows.count} windows of "
+                f"{seq_len + 1} tokens, fewer than the global batch {global_batch}"
+            )
+        return loader.iterate_steps(
+            _TrainBatchAtStep(windows, global_batch, seed, cfg.shuffle, process_index, process_count)
         )
-    batch_at_step = _TrainBatchAtStep(
-        windows, global_batch, seed, cfg.shuffle, process_index, process_count
-    )
-    dataset = grain.MapDataset.range(sys.maxsize).map(batch_at_step)
-    # One thread prepares the next batches while the accelerator runs the current step.
-    read_options = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
-    return iter(dataset.to_iter_dataset(read_options))
+    windows = [WindowIndex(source, seq_len, loader.document_order(source, doc_seed, (loader.BLEND_STREAM, j)))
+               for j, (_, source) in enumerate(weighted)]
+    return loader.iterate_steps(loader.BlendBatchAtStep(
+        windows, [w for w, _ in weighted], global_batch, seed, cfg.shuffle, process_index, process_count
+    ))
 
 
 def make_eval_batches(
@@ -330,11 +251,12 @@ def make_eval_batches(
     `process_count`-th of them from `p`. Rows past the last window are padding (loss_mask 0), so
     all batches, on all processes, have the same shape and count.
     """
+    from jaxtrain.data.store.training_sources import corpus_source
+
     _local_batch(batch_size, process_index, process_count)
     if max_batches is not None and max_batches < 1:
         raise ValueError(f"max_batches must be positive or None, got {max_batches}")
-    stream = load_stream(cfg.eval_files, cfg.tokenizer, cfg.text_field, doc_seed=None)
-    windows = PackedWindows(stream, seq_len)
+    windows = WindowIndex(corpus_source(cfg.eval_files, cfg.tokenizer, cfg.text_field), seq_len)
     count = -(-windows.count // batch_size)
     if max_batches is not None:
         count = min(count, max_batches)
