@@ -32,6 +32,10 @@ class ByteTokenizer:
         """Token ids of `text`, without special tokens."""
         return list(text.encode("utf-8"))
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of each text."""
+        return [list(text.encode("utf-8")) for text in texts]
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`; special ids are skipped, broken UTF-8 becomes U+FFFD."""
         data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
@@ -66,6 +70,19 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without the special tokens the tokenizer might add."""
         return list(self._tok.encode(text, add_special_tokens=False))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of each text, by the Rust tokenizer's batch call when there is one (fast)."""
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        if backend is None:
+            return [self.encode(text) for text in texts]
+        batch_call = getattr(backend, "encode_batch_fast", backend.encode_batch)  # fast: no offsets
+        return [encoding.ids for encoding in batch_call(list(texts), add_special_tokens=False)]
+
+    @property
+    def hf_tokenizer(self):
+        """The transformers tokenizer itself (chat templates, offsets)."""
+        return self._tok
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, skipping special tokens."""

@@ -1,0 +1,229 @@
+"""Megatron-LM indexed datasets (`prefix.bin` + `prefix.idx`, the "MMIDIDX" memory-mapped format),
+read as they are, and a writer that produces the same bytes Megatron's `_IndexWriter` does.
+
+`.idx` layout (little-endian), as megatron/core/datasets/indexed_dataset.py writes it:
+
+  9 bytes  magic b"MMIDIDX\\x00\\x00"
+  uint64   version, 1
+  uint8    dtype code of the .bin tokens (1 uint8, 2 int8, 3 int16, 4 int32, 5 int64,
+           6 float64, 7 float32, 8 uint16)
+  uint64   S, the number of sequences
+  uint64   D, the number of document-index entries (documents + 1)
+  int32    [S] sequence lengths in tokens
+  int64    [S] sequence pointers: byte offsets into .bin
+  int64    [D] document indices: sequence boundaries of the documents, starting at 0
+  (int8    [S] sequence modes, multimodal datasets only: ignored here)
+
+A document is the sequences between two consecutive document indices, read as one run of tokens.
+Megatron's `--append-eod` put the end-of-document id into the tokens; we add nothing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import struct
+
+import numpy as np
+
+from jaxtrain.data.store.errors import DataInputError
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
+               6: np.float64, 7: np.float32, 8: np.uint16}
+_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, document-index entries
+_CHUNK = 1 << 24  # tokens scanned at a time for the max id
+
+
+def is_megatron_prefix(prefix: str | os.PathLike) -> bool:
+    return os.path.isfile(f"{prefix}.bin") and os.path.isfile(f"{prefix}.idx")
+
+
+def code_of(dtype) -> int:
+    for code, candidate in DTYPE_CODES.items():
+        if np.dtype(candidate) == np.dtype(dtype):
+            return code
+    raise ValueError(f"Megatron indexed datasets cannot hold {np.dtype(dtype)} tokens")
+
+
+class MegatronIndexedDataset:
+    """A `TokenSource` over `prefix.bin`/`prefix.idx`, memory-mapped; checks sizes at open.
+
+    `vocab_size` is None unless given (the files do not say); `pad_id` only fills partial windows
+    whose loss is masked, so any id of the vocabulary serves.
+    """
+
+    tokenizer_id = None
+    has_loss_mask = False
+
+    def __init__(self, prefix: str | os.PathLike, vocab_size: int | None = None, pad_id: int = 0):
+        self.prefix = str(prefix)
+        self.name = self.prefix
+        self.vocab_size, self.pad_id = vocab_size, pad_id
+        idx_path, bin_path = pathlib.Path(f"{prefix}.idx"), pathlib.Path(f"{prefix}.bin")
+        for path in (idx_path, bin_path):
+            if not path.is_file():
+                raise DataInputError(f"{path}: missing (a Megatron dataset is prefix.bin + prefix.idx)")
+        self._idx_path, self._bin_path = idx_path, bin_path
+        size = idx_path.stat().st_size
+        with open(idx_path, "rb") as f:
+            head = f.read(_HEADER.size)
+        if len(head) < _HEADER.size:
+            raise DataInputError(f"{idx_path}: {size} bytes, shorter than the {_HEADER.size}-byte header")
+        magic, version, code, sequences, entries = _HEADER.unpack(head)
+        if magic != MAGIC:
+            raise DataInputError(f"{idx_path}: not a Megatron MMIDIDX index (magic {magic!r})")
+        if version != VERSION:
+            raise DataInputError(f"{idx_path}: index version {version}, only version {VERSION} is known")
+        if code not in DTYPE_CODES:
+            raise DataInputError(f"{idx_path}: unknown dtype code {code} (known: 1..8)")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+        if self.dtype.kind == "f":
+            raise DataInputError(f"{idx_path}: dtype {self.dtype} cannot hold token ids")
+        needed = _HEADER.size + sequences * (4 + 8) + entries * 8
+        if size < needed or entries < 1:
+            raise DataInputError(
+                f"{idx_path}: {size} bytes, but its header announces {sequences} sequences and "
+                f"{entries} document-index entries ({needed} bytes); the index is truncated or corrupt")
+        index = np.memmap(idx_path, dtype=np.uint8, mode="r")
+        at = _HEADER.size
+        self._seq_lengths = np.frombuffer(index, np.int32, sequences, at)
+        self._pointers = np.frombuffer(index, np.int64, sequences, at + 4 * sequences)
+        self._doc_index = np.frombuffer(index, np.int64, entries, at + 12 * sequences)
+        self._check(sequences, bin_path.stat().st_size)
+        self._bin = (np.memmap(bin_path, dtype=self.dtype, mode="r") if bin_path.stat().st_size
+                     else np.zeros(0, self.dtype))
+        self._max_id = None
+
+    def _check(self, sequences: int, bin_bytes: int) -> None:
+        where = self._idx_path
+        doc_index, lengths = self._doc_index, self._seq_lengths
+        if doc_index[0] != 0 or doc_index[-1] != sequences or np.any(np.diff(doc_index) < 0):
+            raise DataInputError(
+                f"{where}: document indices must rise from 0 to the sequence count {sequences}; corrupt index")
+        if np.any(lengths < 0):
+            raise DataInputError(f"{where}: negative sequence length at sequence {int(np.argmax(lengths < 0))}")
+        # Token offset of each sequence's start; the pointers must be exactly these bytes.
+        self._starts = np.zeros(sequences + 1, np.int64)
+        np.cumsum(lengths, out=self._starts[1:])
+        bad = np.flatnonzero(self._pointers != self._starts[:-1] * self.dtype.itemsize)
+        if len(bad):
+            raise DataInputError(
+                f"{where}: sequence {int(bad[0])} points at byte {int(self._pointers[bad[0]])}, expected "
+                f"{int(self._starts[bad[0]]) * self.dtype.itemsize} (sequences back to back); corrupt index")
+        expected = int(self._starts[-1]) * self.dtype.itemsize
+        if bin_bytes != expected:
+            raise DataInputError(
+                f"{self._bin_path}: {bin_bytes} bytes, the index describes {expected}; the .bin is "
+                "truncated or does not belong to this .idx")
+
+    def __len__(self) -> int:
+        return len(self._doc_index) - 1
+
+    @property
+    def document_lengths(self) -> np.ndarray:
+        return self._starts[self._doc_index[1:]] - self._starts[self._doc_index[:-1]]
+
+    def tokens(self, document: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        if not 0 <= document < len(self):
+            raise IndexError(f"{self.name}: document {document} of {len(self)}")
+        begin = int(self._starts[self._doc_index[document]])
+        end = int(self._starts[self._doc_index[document + 1]])
+        stop = end - begin if stop is None else min(stop, end - begin)
+        return self._bin[begin + max(start, 0):begin + max(stop, start, 0)].astype(np.int32)
+
+    def loss_mask(self, document: int, start: int = 0, stop: int | None = None) -> None:
+        return None
+
+    def max_token_id(self) -> int:
+        """The largest token id in .bin: scanned in chunks once, then cached in a sidecar file
+        `prefix.max_id.json` (keyed by the files' sizes and mtimes) where the folder is writable."""
+        if self._max_id is not None:
+            return self._max_id
+        key = [[p.stat().st_size, p.stat().st_mtime_ns] for p in (self._idx_path, self._bin_path)]
+        sidecar = pathlib.Path(f"{self.prefix}.max_id.json")
+        try:
+            cached = json.loads(sidecar.read_text())
+            if cached.get("key") == key:
+                self._max_id = int(cached["max_token_id"])
+                return self._max_id
+        except (OSError, ValueError, KeyError, AttributeError):
+            pass
+        top = -1
+        for at in range(0, len(self._bin), _CHUNK):
+            top = max(top, int(self._bin[at:at + _CHUNK].max()))
+        self._max_id = top
+        try:
+            sidecar.write_text(json.dumps({"key": key, "max_token_id": top}))
+        except OSError:
+            pass  # a read-only dataset folder: scan again next time
+        return top
+
+    def __repr__(self) -> str:
+        return f"MegatronIndexedDataset({self.prefix!r}: {len(self)} documents, {int(self._starts[-1])} tokens)"
+
+
+class MegatronWriter:
+    """Writes `prefix.bin` + `prefix.idx` byte for byte as Megatron's builder does: one sequence
+    per document (`add_document`), or several (`add_sequences`). Streams the .bin; keeps only
+    the index arrays (12 bytes per sequence) in memory. Both files appear only at `commit`
+    (written under temporary names, the .idx renamed last)."""
+
+    def __init__(self, prefix: str | os.PathLike, dtype=np.uint16):
+        self.prefix = str(prefix)
+        self.dtype = np.dtype(dtype)
+        code_of(self.dtype)
+        self._tmp = f".tmp-{os.getpid()}"
+        pathlib.Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
+        self._bin = open(f"{self.prefix}.bin{self._tmp}", "wb")
+        self._lengths: list[np.ndarray] = []
+        self._doc_ends: list[np.ndarray] = []
+        self._sequences = 0
+
+    def add_sequences(self, sequences) -> None:
+        """One document made of these token sequences."""
+        for seq in sequences:
+            seq = np.asarray(seq)
+            self._bin.write(np.ascontiguousarray(seq, self.dtype).tobytes())
+            self._lengths.append(np.array([len(seq)], np.int32))
+            self._sequences += 1
+        self._doc_ends.append(np.array([self._sequences], np.int64))
+
+    def add_document(self, tokens) -> None:
+        self.add_sequences([tokens])
+
+    def add_batch(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Many one-sequence documents at once (concatenated tokens and their lengths)."""
+        self._bin.write(np.ascontiguousarray(tokens, self.dtype).tobytes())
+        self._lengths.append(np.asarray(lengths, np.int32))
+        self._doc_ends.append(np.arange(self._sequences + 1, self._sequences + len(lengths) + 1))
+        self._sequences += len(lengths)
+
+    def commit(self) -> str:
+        from jaxtrain.data.store.store_writer import fsync_path
+
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
+        self._bin.close()
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
+        pointers = np.zeros(len(lengths), np.int64)
+        np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        doc_index = np.concatenate([np.zeros(1, np.int64)] + self._doc_ends).astype(np.int64)
+        idx_tmp = f"{self.prefix}.idx{self._tmp}"
+        with open(idx_tmp, "wb") as f:
+            f.write(_HEADER.pack(MAGIC, VERSION, code_of(self.dtype), len(lengths), len(doc_index)))
+            f.write(lengths.tobytes())
+            f.write(pointers.tobytes())
+            f.write(doc_index.tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(f"{self.prefix}.bin{self._tmp}", f"{self.prefix}.bin")
+        os.replace(idx_tmp, f"{self.prefix}.idx")
+        fsync_path(pathlib.Path(self.prefix).parent)
+        return self.prefix
+
+    def abort(self) -> None:
+        self._bin.close()
+        for suffix in (".bin", ".idx"):
+            pathlib.Path(f"{self.prefix}{suffix}{self._tmp}").unlink(missing_ok=True)
