@@ -190,12 +190,18 @@ def files_of(workdir) -> dict:
     return {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file() and p.name != ".jaxtrain.lock"}
 
 
-def test_resume_without_clipping_carries_the_optimizer_state_over_with_one_line(reference, tmp_path):
+def test_resume_with_other_clipping_and_roles_carries_the_optimizer_state_over_with_one_line_each(reference, tmp_path):
+    """Clipping off: the chain's positions move, the Adam moments fit. Two parameters switched to
+    no_decay (as Mamba-2's A_log/D/dt_bias were): named in one line."""
     workdir = died_after_step_8(reference, tmp_path)
-    proc = train(workdir, "TrainConfig.steps=9", "OptimizerConfig.clip_norm=None", *EVERY)
+    proc = train(workdir, "TrainConfig.steps=9", "OptimizerConfig.clip_norm=None", *EVERY, wrapper="optimizer_faults.py",
+                 fault_env={"FAULT_NO_DECAY": "head/kernel,mlp/up/kernel"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    notes = [line for line in proc.stderr.splitlines() if "carried over" in line]
-    assert len(notes) == 1 and notes[0].startswith("note: step 6: opt_state carried over"), proc.stderr[-3000:]
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("note:")]
+    assert len(notes) == 2, proc.stderr[-3000:]
+    assert notes[0].startswith("note: step 6: opt_state carried over"), notes
+    assert notes[1] == ("note: optimizer roles changed since step 6 was saved (2 parameters): head/kernel "
+                        "decay -> no_decay, stacks/blocks/layers/mlp/up/kernel decay -> no_decay"), notes
     assert "steps 6->9" in proc.stdout and not (workdir / "checkpoints_corrupt").exists()
     resumed = losses(workdir)
     assert np.isfinite(list(resumed.values())).all()
