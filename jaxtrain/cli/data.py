@@ -48,13 +48,13 @@ def main(argv=None) -> int:
                   f"{summary.input_bytes / 1e6:.1f} MB in {summary.seconds:.1f} s "
                   f"({summary.tokens_per_second / 1e6:.2f}M tokens/s)")
         else:
-            from jaxtrain.data.store.open_source import open_source
+            from jaxtrain.data.store.readers import open_source
 
             source = open_source(args.path)
             lengths = source.document_lengths
             print(json.dumps({"source": repr(source), "documents": len(source), "tokens": int(lengths.sum()),
                               "vocab_size": source.vocab_size, "tokenizer_id": source.tokenizer_id,
-                              "has_loss_mask": source.has_loss_mask, "max_token_id": source.max_token_id()}, indent=1))
+                              "has_loss_mask": source.has_loss_mask, "max_token_id": source.max_token_id}, indent=1))
     except DataInputError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2

@@ -136,6 +136,7 @@ class MegatronIndexedDataset:
     def loss_mask(self, document: int, start: int = 0, stop: int | None = None) -> None:
         return None
 
+    @property
     def max_token_id(self) -> int:
         """The largest token id in .bin: scanned in chunks once, then cached in a sidecar file
         `prefix.max_id.json` (keyed by the files' sizes and mtimes) where the folder is writable."""

@@ -184,7 +184,9 @@ class TokenStore:
         lo, hi = self._span(document, start, stop)
         return np.array(self._mask[lo:hi])
 
+    @property
     def max_token_id(self) -> int:
+        """The largest id in the store (recorded by prepare): checked against a model's vocabulary."""
         return self.metadata.max_token_id
 
     def __repr__(self) -> str:

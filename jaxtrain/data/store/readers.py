@@ -44,9 +44,9 @@ def check_fits_vocabulary(source, vocab_size: int) -> None:
 
 
 def _max_token_id(source) -> int:
-    own = getattr(source, "max_token_id", None)
+    own = getattr(source, "max_token_id", None)  # an attribute or property (stores, Megatron, memory)
     if own is not None:
-        return int(own())
+        return int(own)
     top = -1
     for document in range(len(source)):
         tokens = source.tokens(document)
