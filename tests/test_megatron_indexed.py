@@ -45,13 +45,11 @@ def test_writer_is_byte_identical_to_the_reference(tmp_path, rng):
     writer = MegatronWriter(tmp_path / "ours", np.uint16)
     for sequences in docs[:10]:
         writer.add_sequences(sequences)
-    single = [s for s in docs[10:] if len(s) == 1]
-    for sequences in docs[10:]:  # one-sequence documents in a batch, the rest one by one
-        if len(sequences) == 1 and single:
-            writer.add_batch(np.concatenate([np.asarray(s[0], np.int64) for s in single]),
-                             np.array([len(s[0]) for s in single]))
-            single = []
-        elif len(sequences) > 1:
+    single = [s[0] for s in docs[10:] if len(s) == 1]  # one-sequence documents: one batch
+    if single:
+        writer.add_batch(np.concatenate([np.asarray(s, np.int64) for s in single]), np.array([len(s) for s in single]))
+    for sequences in docs[10:]:
+        if len(sequences) > 1:
             writer.add_sequences(sequences)
     writer.commit()
     reordered = docs[:10] + [s for s in docs[10:] if len(s) == 1] + [s for s in docs[10:] if len(s) > 1]
