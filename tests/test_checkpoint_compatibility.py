@@ -189,3 +189,14 @@ def test_roles_are_recorded_and_a_change_is_one_line_naming_the_parameters(tmp_p
                     "bias no_decay -> frozen, stack decay -> no_decay")
     assert roles_changed_line(2, manifest["roles"], saved_roles) is None
     assert roles_changed_line(2, None, saved_roles) is None  # an older run recorded none
+
+
+def test_a_fresh_start_beside_steps_moved_aside_says_so(tmp_path, capsys):
+    from jaxtrain.training.trainer import _warn_about_set_aside_steps
+    (tmp_path / "checkpoints").mkdir()
+    _warn_about_set_aside_steps(str(tmp_path / "checkpoints"))
+    assert capsys.readouterr().err == ""
+    (tmp_path / "checkpoints_corrupt" / "6-1700000000").mkdir(parents=True)
+    _warn_about_set_aside_steps(str(tmp_path / "checkpoints"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: no checkpoint in ") and "['6-1700000000']" in err[0], err
