@@ -30,6 +30,7 @@ FAST_MODULES = {
     "test_kernels_ssd_scan", "test_kernels_flash_attention", "test_kernels_flash_attention_pallas",
     "test_parallel_plan", "test_aux_outputs", "test_model_families", "test_grouped_matmul_tiled",
     "test_fsdp_coverage", "test_optimizer_roles", "test_planner",
+    "test_blend", "test_data_sources",
 }
 
 

@@ -173,14 +173,14 @@ def train_sources(cfg: DataConfig) -> list[tuple[float, object]]:
     return [(1.0, corpus_source(cfg.train_files, cfg.tokenizer, cfg.text_field))]
 
 
-def check_sources_fit(cfg: DataConfig, vocab_size: int, model_name: str) -> None:
+def check_sources_fit(cfg: DataConfig, vocab_size: int) -> None:
     """Every training and eval source's token ids fit the model's vocabulary (one line naming
     the source otherwise)."""
     from jaxtrain.data.store.training_sources import check_fits_vocabulary, corpus_source
 
     sources = [source for _, source in train_sources(cfg)]
     sources.append(corpus_source(cfg.eval_files, cfg.tokenizer, cfg.text_field))
-    check_fits_vocabulary(sources, vocab_size, model_name)
+    check_fits_vocabulary(sources, vocab_size)
 
 
 def _local_batch(batch: int, process_index: int, process_count: int) -> int:

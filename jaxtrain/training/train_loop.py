@@ -14,6 +14,7 @@ import time
 import jax
 
 from jaxtrain.checkpoints.checkpointer import CheckpointSaveError
+from jaxtrain.data.store.loader import source_token_counts
 from jaxtrain.observe.flops import model_flops_utilization
 from jaxtrain.observe.metrics import MetricsWriter, device_memory
 from jaxtrain.observe.profiling import StepProfiler
@@ -50,6 +51,7 @@ class TrainLoop:
         self._writer, self.resumed_at = None, self.step
         self.history, self.stopped_by = [], None
         self.tokens_per_step = t.global_batch * t.seq_len
+        self._source_tokens = {}  # batch position -> this process's trained tokens per blend source
         self._t0 = time.perf_counter()
 
     # -- the loop ----------------------------------------------------------------------------
@@ -60,6 +62,10 @@ class TrainLoop:
                   f"{self.tr.rules.name}, steps {self.step}->{self.end}", flush=True)
             if self.tr.pipeline_summary:
                 print(f"jaxtrain: {self.tr.pipeline_summary}", flush=True)
+            blend = self.tr.exp.data.blend
+            if blend:  # what the metrics' source_tokens_<j> count
+                print("jaxtrain: blend " + ", ".join(f"source_tokens_{j} = {path} (weight {weight})" for j, (weight, path)
+                                                     in enumerate(zip(blend[0::2], blend[1::2]))), flush=True)
         # last_step: a request made while a process passes the run's last step is answered there
         own_signals = self.signals is None
         signals = StopSignals(self.peers).install() if own_signals else self.signals.attach(self.peers)
@@ -143,11 +149,16 @@ class TrainLoop:
             local, position = next(self.tr.train_iter), self.position
             self.position += 1
             if position not in self.skipped:
+                if "source_ids" in local:  # a blend: count each source's trained tokens (stripped by global_batch)
+                    self._source_tokens[position] = source_token_counts(local, len(self.tr.exp.data.blend) // 2)
                 return position, self.tr.global_batch(local)
 
     # -- one step's outcome ------------------------------------------------------------------
     def _settle(self, step: int, metrics, position: int) -> None:
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        counts = self._source_tokens.pop(position, None)
+        if counts is not None:
+            values.update({f"source_tokens_{j}": n for j, n in enumerate(_all_processes(counts, self.tr))})
         self.watchdog.step_finished(step)
         now = time.perf_counter()
         elapsed, self._t0 = now - self._t0, now
@@ -225,6 +236,17 @@ class TrainLoop:
                       mfu=model_flops_utilization(self.tr.flops_per_token, tps, self.tr.peak, self.tr.mesh.size))
         self.writer.write(step, values, echo=step % self.t.log_every == 0 or step == 1)
         self.history.append({"step": step, **values})
+
+
+def _all_processes(counts, trainer):
+    """Per-source counts over the global batch: summed over processes, each row counted once
+    (processes that differ only along axes the batch is replicated over read the same rows)."""
+    if jax.process_count() == 1:
+        return counts.tolist()
+    from jax.experimental import multihost_utils
+
+    gathered = multihost_utils.process_allgather(counts)
+    return (gathered.sum(axis=0) * trainer.data_shards / jax.process_count()).tolist()
 
 
 def _every(every: int, step: int) -> bool:

@@ -19,7 +19,7 @@ from jaxtrain.checkpoints.checkpointer import ALL_ITEMS, CheckpointError, Checkp
 from jaxtrain.checkpoints.compatibility import roles_changed_line
 from jaxtrain.training.config import Experiment
 from jaxtrain.training.config_types import check_config_types
-from jaxtrain.data.packing import make_eval_batches, make_train_iterator
+from jaxtrain.data.packing import check_sources_fit, make_eval_batches, make_train_iterator
 from jaxtrain.checkpoints.fingerprint import leaf_path
 from jaxtrain.observe.flops import peak_flops
 from jaxtrain.training.parallel_plan import ParallelPlan
@@ -41,6 +41,7 @@ def check_vocabulary(exp: Experiment) -> None:
         raise ValueError(f"{type(exp.model).__name__}.vocab_size={exp.model.vocab_size} is smaller than the "
                          f"{ids} token ids of DataConfig.tokenizer={exp.data.tokenizer!r}: bind "
                          f"{type(exp.model).__name__}.vocab_size >= {ids}")
+    check_sources_fit(exp.data, exp.model.vocab_size)  # stores and Megatron files: the ids they hold
 
 
 def _write_atomically(path: str, text: str) -> None:
@@ -86,6 +87,7 @@ class Trainer:
         self.train_iter = make_train_iterator(exp.data, seq_len=t.seq_len, global_batch=t.global_batch,
                                               seed=t.seed, process_index=shard, process_count=shards)
         self.fresh_data_state = self.train_iter.get_state()
+        self.data_shards = shards  # (per-source token counts sum each shard's rows once)
         self.eval_data = make_eval_batches(exp.data, seq_len=t.seq_len, batch_size=t.global_batch,
                                            max_batches=t.eval_batches, process_index=shard, process_count=shards)
         self.state_layout = setup.state  # canonical, or pipeline stages (converted at save/restore)

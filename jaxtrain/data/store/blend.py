@@ -33,10 +33,13 @@ def assign_block(weights: np.ndarray, counts: np.ndarray, first: int, size: int)
     w = [float(x) for x in weights]
     c = [int(x) for x in counts]
     out = np.empty(size, np.int64)
-    sources = range(len(w))
+    sources = range(1, len(w))
     for n in range(size):
         i = max(first + n, 1)
-        best = max(sources, key=lambda j: (w[j] * i - c[j], -j))
+        best, lag = 0, w[0] * i - c[0]
+        for j in sources:  # the largest lag; the first source on a tie
+            if w[j] * i - c[j] > lag:
+                best, lag = j, w[j] * i - c[j]
         out[n] = best
         c[best] += 1
     counts[:] = c

@@ -34,8 +34,7 @@ class MemorySource:
             if array is not None:
                 array.flags.writeable = False  # shared by every reader (and the cache below)
         self.has_loss_mask = masks is not None
-        # The largest id any document holds: checked against the model's vocabulary before a run.
-        self.max_token_id = int(self._tokens.max()) if len(self._tokens) else -1
+        self._max_token_id = int(self._tokens.max()) if len(self._tokens) else -1
 
     def __len__(self) -> int:
         return len(self._lengths)
@@ -43,6 +42,11 @@ class MemorySource:
     @property
     def document_lengths(self) -> np.ndarray:
         return self._lengths
+
+    @property
+    def max_token_id(self) -> int:
+        """The largest id any document holds: checked against the model's vocabulary before a run."""
+        return self._max_token_id
 
     def _span(self, document: int, start: int, stop: int | None) -> slice:
         begin = self._offsets[document]

@@ -15,19 +15,19 @@ import numpy as np
 
 from jaxtrain.data.store.memory_source import text_files_source
 
-RAW_SUFFIXES = (".txt", ".jsonl")
 _DATASETS_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # save_to_disk folders
 
 
-def _open_store(path: str):
-    try:
-        from jaxtrain.data.store import open_source  # the store and Megatron readers
-    except ImportError:
-        open_source = None
-    if open_source is None:
-        raise ValueError(f"{path}: not a raw corpus file (.txt, .jsonl, a datasets folder), and this "
-                         f"jaxtrain has no token store reader")
-    return open_source(path)
+def _open_store(path: str, tokenizer: str):
+    """A token store or Megatron prefix; Megatron files record no vocabulary or pad id, so they
+    take DataConfig.tokenizer's."""
+    from jaxtrain.data.store.readers import open_source
+    from jaxtrain.data.tokenizer import load_tokenizer
+
+    if pathlib.Path(path).is_dir():
+        return open_source(path)
+    ids = load_tokenizer(tokenizer)
+    return open_source(path, vocab_size=ids.vocab_size, pad_id=ids.pad_id)
 
 
 def _locate(entry: str) -> tuple[str, str]:
@@ -58,8 +58,6 @@ class ConcatSource:
         self.has_loss_mask = any(p.has_loss_mask for p in self.parts)
         self._first_doc = np.cumsum([0] + [len(p) for p in self.parts])
         self.document_lengths = np.concatenate([np.asarray(p.document_lengths, np.int64) for p in self.parts])
-        ids = [getattr(p, "max_token_id", None) for p in self.parts]
-        self.max_token_id = None if None in ids else max(ids)
 
     def __len__(self) -> int:
         return int(self._first_doc[-1])
@@ -71,6 +69,12 @@ class ConcatSource:
     def tokens(self, document: int, start: int = 0, stop: int | None = None) -> np.ndarray:
         part, local = self._part(document)
         return part.tokens(local, start, stop)
+
+    @property
+    def max_token_id(self) -> int:
+        from jaxtrain.data.store.readers import _max_token_id
+
+        return max(_max_token_id(p) for p in self.parts)
 
     def loss_mask(self, document: int, start: int = 0, stop: int | None = None):
         part, local = self._part(document)
@@ -88,7 +92,7 @@ def corpus_source(entries: Sequence[str], tokenizer: str, text_field: str):
     located = [_locate(e) for e in entries]
     raw = [path for kind, path in located if kind == "raw"]
     parts = [text_files_source(raw, tokenizer, text_field)] if raw else []
-    parts += [_open_store(path) for kind, path in located if kind == "store"]
+    parts += [_open_store(path, tokenizer) for kind, path in located if kind == "store"]
     source = parts[0] if len(parts) == 1 else ConcatSource(parts)
     check_source(source, tokenizer)
     return source
@@ -126,27 +130,16 @@ def check_source(source, tokenizer: str) -> None:
 
 
 def tokenizer_identity(spec: str) -> str:
-    """How stores record a tokenizer (the store writer's rule where it has one)."""
-    try:
-        from jaxtrain.data.store import tokenizer_identity as store_identity
-    except ImportError:
-        return spec
-    return store_identity(spec)
+    """How stores record a tokenizer (jaxtrain/data/store/tokenizer_identity.py)."""
+    from jaxtrain.data.store.tokenizer_identity import tokenizer_identity as identity
+
+    return identity(spec)
 
 
-def largest_token_id(source) -> int | None:
-    """The largest id `source` holds (the store's recorded maximum), else its vocabulary's last id."""
-    recorded = getattr(source, "max_token_id", None)
-    if recorded is not None:
-        return int(recorded)
-    return None if source.vocab_size is None else int(source.vocab_size) - 1
+def check_fits_vocabulary(sources: Sequence, vocab_size: int) -> None:
+    """Every id a source holds must have an embedding row (an id past the table embeds as NaN):
+    stores answer from their recorded maximum id, Megatron data from one cached scan."""
+    from jaxtrain.data.store.readers import check_fits_vocabulary as check_one
 
-
-def check_fits_vocabulary(sources: Sequence, vocab_size: int, model_name: str) -> None:
-    """Every id a source holds must have an embedding row (an id past the table embeds as NaN)."""
     for source in sources:
-        top = largest_token_id(source)
-        if top is not None and top >= vocab_size:
-            raise ValueError(f"{source.name}: token ids up to {top} do not fit {model_name}.vocab_size={vocab_size}: "
-                             f"bind {model_name}.vocab_size >= {top + 1} or use a store of this model's tokenizer")
-
+        check_one(source, vocab_size)

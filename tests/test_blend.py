@@ -1,0 +1,169 @@
+"""Blends: Megatron's per-sample source assignment, realized proportions, per-source epochs, and
+the blended iterator's determinism across process counts and resumes."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from jaxtrain.data import packing as data
+from jaxtrain.data.store import blend as blend_module
+from jaxtrain.data.store import loader
+from jaxtrain.data.store.blend import BlendSchedule
+from jaxtrain.data.store.memory_source import MemorySource
+from jaxtrain.data.store.training_sources import parse_blend
+from jaxtrain.data.store.windows import WindowIndex
+
+FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "source_ids")
+
+
+@pytest.fixture
+def rng():
+    seed = random.SystemRandom().randrange(2**32)
+    print(f"random seed: {seed}")  # shown by pytest when a test fails
+    return np.random.default_rng(seed)
+
+
+def brute_force_assignment(weights, count):
+    """Megatron's rule written out sample by sample: the source with the largest
+    `w * max(i, 1) - realized` (the first on a tie)."""
+    weights = np.asarray(weights, np.float64) / np.sum(weights)
+    realized = np.zeros(len(weights), np.int64)
+    sources, ranks = [], []
+    for i in range(count):
+        j = int(np.argmax(weights * max(i, 1) - realized))
+        sources.append(j)
+        ranks.append(int(realized[j]))
+        realized[j] += 1
+    return np.array(sources), np.array(ranks)
+
+
+def test_assignment_matches_megatron_rule_and_stays_within_one_sample(rng, monkeypatch):
+    monkeypatch.setattr(blend_module, "_BLOCK", 64)  # many block boundaries in a short run
+    weights = rng.uniform(0.05, 1.0, size=int(rng.integers(2, 6)))
+    count = 64 * 7 + int(rng.integers(1, 64))
+    want_sources, want_ranks = brute_force_assignment(weights, count)
+
+    schedule = BlendSchedule(weights)
+    cut = int(rng.integers(1, count))  # read in two pieces, the second first: blocks recomputed
+    late, late_ranks = schedule.assign(cut, count)
+    early, early_ranks = schedule.assign(0, cut)
+    np.testing.assert_array_equal(np.concatenate([early, late]), want_sources)
+    np.testing.assert_array_equal(np.concatenate([early_ranks, late_ranks]), want_ranks)
+
+    # Realized counts after every prefix n stay within one sample of n * weight.
+    share = weights / weights.sum()
+    counts = np.cumsum(np.eye(len(weights))[want_sources], axis=0)
+    prefix = np.arange(1, count + 1)[:, None]
+    assert np.abs(counts - prefix * share).max() <= 1.0
+    assert np.all(counts[-1] > 0)
+
+
+def small_source(rng, name, documents, low=3, high=20, vocab=50):
+    docs = [rng.integers(0, vocab, size=int(rng.integers(low, high))) for _ in range(documents)]
+    return MemorySource(docs, name=name, vocab_size=vocab, pad_id=vocab)
+
+
+def blend_reader(sources, weights, seq_len, global_batch, seed, process_index=0, process_count=1):
+    windows = [WindowIndex(s, seq_len, loader.document_order(s, seed, (loader.BLEND_STREAM, j)))
+               for j, s in enumerate(sources)]
+    return loader.BlendBatchAtStep(windows, weights, global_batch, seed, True, process_index, process_count)
+
+
+def test_blended_rows_follow_the_assignment_and_small_sources_reshuffle_per_epoch(rng):
+    seq_len, global_batch = 8, 4
+    big, small = small_source(rng, "big", 60), small_source(rng, "small", 6)
+    reader = blend_reader([big, small], [0.75, 0.25], seq_len, global_batch, seed=5)
+    small_windows = reader.windows[1].count
+    steps = 4 * small_windows  # the small source runs through ~4 epochs
+    sources, windows = zip(*(reader.rows(s) for s in range(steps)))
+    sources, windows = np.concatenate(sources), np.concatenate(windows)
+    want, _ = brute_force_assignment([0.75, 0.25], steps * global_batch)
+    np.testing.assert_array_equal(sources, want)
+
+    # Each epoch of the small source is every one of its windows once, each epoch in a new order.
+    of_small = windows[sources == 1]
+    epochs = [of_small[e * small_windows:(e + 1) * small_windows] for e in range(len(of_small) // small_windows)]
+    assert len(epochs) >= 3
+    for epoch in epochs:
+        assert sorted(epoch.tolist()) == list(range(small_windows))
+    assert len({tuple(e.tolist()) for e in epochs}) == len(epochs)
+
+    # A row's content is its source's window, and source_ids says which source.
+    batch = reader(3)
+    local_sources, local_windows = reader.rows(3)
+    np.testing.assert_array_equal(batch["source_ids"], local_sources)
+    for r, (j, w) in enumerate(zip(local_sources, local_windows)):
+        expected = reader.windows[j].examples(np.array([w]))
+        for name in ("inputs", "targets", "segment_ids", "positions", "loss_mask"):
+            np.testing.assert_array_equal(batch[name][r], expected[name][0], err_msg=name)
+
+
+def test_blended_iterator_same_global_batch_on_two_processes_and_after_resume(rng):
+    seq_len, global_batch = 6, 4
+    sources = [small_source(rng, "a", 25), small_source(rng, "b", 8), small_source(rng, "c", 12)]
+    weights = [0.5, 0.2, 0.3]
+
+    def iterator(process_index=0, process_count=1):
+        reader = blend_reader(sources, weights, seq_len, global_batch, 9, process_index, process_count)
+        return loader.iterate_steps(reader)
+
+    whole = iterator()
+    reference = [next(whole) for _ in range(12)]
+    halves = [iterator(p, 2) for p in range(2)]
+    for step, batch in enumerate(reference):
+        parts = [next(h) for h in halves]
+        for name in FIELDS:
+            np.testing.assert_array_equal(parts[0][name], batch[name][0::2], err_msg=f"{step} {name}")
+            np.testing.assert_array_equal(parts[1][name], batch[name][1::2], err_msg=f"{step} {name}")
+
+    for k in (1, 5, 11):
+        it = iterator()
+        for _ in range(k):
+            next(it)
+        state = it.get_state()
+        resumed = iterator(1, 2)  # a resume onto another process count: the state is the step
+        resumed.set_state(state)
+        for step in range(k, 12):
+            got = next(resumed)
+            for name in FIELDS:
+                np.testing.assert_array_equal(got[name], reference[step][name][1::2], err_msg=f"{k} {name}")
+
+
+def test_per_source_token_counts(rng):
+    batch = {"loss_mask": rng.integers(0, 2, size=(6, 5)).astype(np.float32),
+             "source_ids": np.array([2, 0, 2, 1, 0, 2], np.int32)}
+    counts = loader.source_token_counts(batch, 4)
+    want = [sum(batch["loss_mask"][r].sum() for r in range(6) if batch["source_ids"][r] == j) for j in range(4)]
+    np.testing.assert_array_equal(counts, want)
+
+
+@pytest.mark.parametrize("blend, message", [
+    (("0.7", "a.txt", "0.3"), "must alternate weights and sources"),
+    (("a.txt", "0.7", "b.txt", "0.3"), "'a.txt' .* is not a weight"),
+    ((0.7, "a.txt", 0, "b.txt"), "b.txt: blend weight 0 must be a positive number"),
+    (("0.5", "a.txt", "-1", "b.txt"), "b.txt: blend weight '-1' must be a positive number"),
+])
+def test_bad_blends(blend, message):
+    with pytest.raises(ValueError, match=message):
+        parse_blend(blend)
+
+
+def test_blend_config_trains_on_raw_files(tmp_path, rng):
+    """DataConfig.blend end to end with raw files: rows come from the file the assignment names."""
+    words = ["alpha", "beta", "gamma"]
+    paths = []
+    for j, word in enumerate(words):
+        path = tmp_path / f"{word}.txt"
+        path.write_text("\n\n".join(f"{word} {i}" for i in range(20 + 10 * j)), encoding="utf-8")
+        paths.append(str(path))
+    cfg = data.DataConfig(blend=(0.5, paths[0], "0.25", paths[1], 0.25, paths[2]), eval_files=(paths[0],))
+    it = data.make_train_iterator(cfg, seq_len=16, global_batch=8, seed=1)
+    want, _ = brute_force_assignment([0.5, 0.25, 0.25], 8 * 5)
+    for step in range(5):
+        batch = next(it)
+        np.testing.assert_array_equal(batch["source_ids"], want[step * 8:(step + 1) * 8])
+        for row, j in zip(batch["inputs"], batch["source_ids"]):
+            text = bytes(int(t) for t in row if t < 256).decode()
+            assert all(w in words[j] for w in text.split() if w.isalpha()), (text, words[j])

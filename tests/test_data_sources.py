@@ -1,0 +1,128 @@
+"""Windows read from a TokenSource slice by slice equal the packing of the whole corpus held in
+memory; sources are checked (empty, another tokenizer, ids past the vocabulary) before a run."""
+from __future__ import annotations
+
+import pickle
+import random
+
+import numpy as np
+import pytest
+
+from jaxtrain.data import packing as data
+from jaxtrain.data.store import loader, training_sources
+from jaxtrain.data.store.memory_source import MemorySource
+from jaxtrain.data.store.windows import WindowIndex
+
+FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+
+
+@pytest.fixture
+def rng():
+    seed = random.SystemRandom().randrange(2**32)
+    print(f"random seed: {seed}")  # shown by pytest when a test fails
+    return np.random.default_rng(seed)
+
+
+def random_source(rng, documents, with_masks, vocab=1000):
+    lengths = rng.integers(0, 40, size=documents)  # empty documents too
+    lengths[0] = max(lengths[0], 1)
+    docs = [rng.integers(0, vocab, size=int(n)) for n in lengths]
+    masks = [rng.integers(0, 2, size=int(n)) for n in lengths] if with_masks else None
+    return MemorySource(docs, masks, name="random", vocab_size=vocab, pad_id=vocab), docs, masks
+
+
+def reference_examples(docs, masks, order, seq_len, pad):
+    """The whole corpus concatenated in `order`, cut into windows with a per-token loop."""
+    stream = np.concatenate([docs[d] for d in order]).tolist()
+    owner = np.concatenate([np.full(len(docs[d]), slot) for slot, d in enumerate(order)]).tolist()
+    keep = (np.concatenate([masks[d] for d in order]) if masks else np.ones(len(stream))).tolist()
+    rows = []
+    for start in range(0, max(len(stream) - 1, 1), seq_len):
+        tokens = stream[start:start + seq_len + 1]
+        owners = owner[start:start + seq_len + 1]
+        kept = keep[start:start + seq_len + 1]
+        pad_count = seq_len + 1 - len(tokens)
+        tokens, owners, kept = tokens + [pad] * pad_count, owners + [None] * pad_count, kept + [0] * pad_count
+        row = {name: [] for name in FIELDS}
+        segment = position = 0
+        for i in range(seq_len):
+            if owners[i] is None:
+                seg, pos = 0, 0
+            else:
+                if i == 0 or owners[i] != owners[i - 1]:
+                    segment, position = segment + 1, 0
+                else:
+                    position += 1
+                seg, pos = segment, position
+            row["inputs"].append(tokens[i])
+            row["targets"].append(tokens[i + 1])
+            row["segment_ids"].append(seg)
+            row["positions"].append(pos)
+            same_document = owners[i] is not None and owners[i + 1] == owners[i]
+            row["loss_mask"].append(float(same_document and kept[i + 1] > 0))
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("with_masks", [False, True], ids=["plain", "masked"])
+def test_windows_equal_the_concatenated_corpus(rng, with_masks):
+    source, docs, masks = random_source(rng, 60, with_masks)
+    seq_len = int(rng.integers(3, 50))
+    order = rng.permutation(len(docs))
+    index = pickle.loads(pickle.dumps(WindowIndex(source, seq_len, order)))  # workers get a copy
+    expected = reference_examples(docs, masks, order, seq_len, source.pad_id)
+    assert index.count == len(expected)
+    rows = rng.permutation(index.count + 2) - 2  # every window, in a random order, and padding rows
+    got = index.examples(rows)
+    for i, window in enumerate(rows):
+        if window < 0:  # all padding, nothing trained
+            assert (got["inputs"][i] == source.pad_id).all() and not got["loss_mask"][i].any()
+            assert not got["segment_ids"][i].any() and not got["positions"][i].any()
+            continue
+        for name in FIELDS:
+            np.testing.assert_array_equal(got[name][i], np.asarray(expected[window][name]), err_msg=name)
+    assert got["inputs"].dtype == np.int32 and got["loss_mask"].dtype == np.float32
+
+
+def test_a_text_source_is_its_documents_framed(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text("hi there\n\nsecond  doc\n", encoding="utf-8")
+    source = training_sources.corpus_source([str(path)], "bytes", "text")
+    assert len(source) == 2 and source.tokenizer_id is None and source.pad_id == 258
+    assert source.tokens(1).tolist() == [256, *b"second  doc", 257]
+    assert source.tokens(0, 1, 3).tolist() == list(b"hi")
+
+
+def test_empty_source_and_other_tokenizer(tmp_path):
+    empty = MemorySource([np.zeros(0, np.int32)], name="stores/empty")
+    with pytest.raises(ValueError, match="stores/empty: empty source"):
+        training_sources.check_source(empty, "bytes")
+    other = MemorySource([np.arange(5)], name="stores/web", tokenizer_id="hf:gpt2")
+    with pytest.raises(ValueError, match="stores/web: tokenized with 'hf:gpt2', but DataConfig.tokenizer is 'bytes'"):
+        training_sources.check_source(other, "bytes")
+
+
+def test_token_ids_past_the_vocabulary(tmp_path):
+    source = MemorySource([np.array([1, 2, 300])], name="stores/big_ids", vocab_size=400)
+    training_sources.check_fits_vocabulary([source], 301)
+    with pytest.raises(ValueError, match=r"stores/big_ids: token id 300 does not fit the model's vocabulary of 300"):
+        training_sources.check_fits_vocabulary([source], 300)
+
+
+def test_train_iterator_over_a_store_like_source(tmp_path, rng, monkeypatch):
+    """A store entry in train_files trains from its source (a memory stand-in for the reader):
+    the same batches as the window index over that source in the seeded document order."""
+    source, docs, _ = random_source(rng, 40, with_masks=True, vocab=200)
+    store = tmp_path / "store"
+    store.mkdir()
+    monkeypatch.setattr(training_sources, "_open_store", lambda path, tokenizer: source)
+    cfg = data.DataConfig(train_files=(str(store),), eval_files=(str(store),))
+    it = data.make_train_iterator(cfg, seq_len=7, global_batch=2, seed=4)
+    index = WindowIndex(source, 7, loader.document_order(source, 4))
+    order = np.random.default_rng([loader.WINDOW_ORDER_STREAM, 4, 0]).permutation(index.count)
+    for step in range(3):
+        batch, want = next(it), index.examples(order[2 * step:2 * step + 2])
+        for name in FIELDS:
+            np.testing.assert_array_equal(batch[name], want[name], err_msg=name)
+    with pytest.raises(ValueError, match="random: token id 1.. does not fit the model's vocabulary of 150"):
+        data.check_sources_fit(cfg, 150)
