@@ -9,10 +9,11 @@ import numpy as np
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-# The same rendering with the assistant turns marked, so transformers computes its own mask.
+# The same rendering with the assistant turns marked, so transformers computes its own mask (the
+# newline is an expression: transformers' jinja trims a newline that follows a block tag).
 CHATML_MARKED = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
                  "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}"
-                 "{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
+                 "{{ m['content'] }}<|im_end|>{% endif %}{{ '\\n' }}{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 

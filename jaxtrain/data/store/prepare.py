@@ -15,6 +15,7 @@ import dataclasses
 import multiprocessing
 import os
 import pathlib
+import sys
 import time
 from typing import Sequence
 
@@ -151,6 +152,7 @@ def prepare(
                 bar.update(int(done_bytes.sum()) - bar.n)
                 bar.set_postfix_str(f"{tokens / max(time.perf_counter() - started, 1e-9) / 1e6:.2f}M tok/s")
             if count == pause_after:
+                print(f"prepare: paused after {count} batches ({PAUSE_ENV})", file=sys.stderr, flush=True)
                 time.sleep(pause_seconds)
         if bar is not None:
             bar.update(bar.total - bar.n)  # .txt progress counts characters: close the gap
