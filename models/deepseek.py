@@ -10,7 +10,7 @@ from typing import Mapping
 
 from flax import nnx
 
-from models.causal_lm import CausalLM, add_residual
+from models.causal_lm import CausalLM, add_residual, layer_input
 from models.dtypes import dtype_from_name
 from models.family import model_family
 from models.layers.attention_impl import AutoAttention, check_attention
@@ -127,8 +127,8 @@ class DeepSeekBlock(nnx.Module):
             self.moe = None
 
     def __call__(self, x, positions, segment_ids):
-        x = add_residual(x, self.attn(self.attn_norm(x), positions, segment_ids))
-        h = self.mlp_norm(x)
+        x = add_residual(x, self.attn(layer_input(self.attn_norm(x)), positions, segment_ids))
+        h = layer_input(self.mlp_norm(x))
         if self.moe is None:
             return add_residual(x, self.mlp(h)), {}
         y, stats = self.moe(h)

@@ -6,7 +6,7 @@ from typing import Mapping
 
 from flax import nnx
 
-from models.causal_lm import CausalLM, add_residual
+from models.causal_lm import CausalLM, add_residual, layer_input
 from models.dtypes import dtype_from_name
 from models.family import model_family
 from models.layers.attention import GroupedQueryAttention
@@ -85,8 +85,8 @@ class LlamaBlock(nnx.Module):
         self.mlp = SwiGLU(cfg.embed, cfg.mlp, rngs=rngs, use_bias=cfg.mlp_bias, init_std=cfg.init_std, dtype=dtype)
 
     def __call__(self, x, positions, segment_ids):
-        x = add_residual(x, self.attn(self.attn_norm(x), positions, segment_ids))
-        x = add_residual(x, self.mlp(self.mlp_norm(x)))
+        x = add_residual(x, self.attn(layer_input(self.attn_norm(x)), positions, segment_ids))
+        x = add_residual(x, self.mlp(layer_input(self.mlp_norm(x))))
         return x, {}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from meshes.rules import constrain_param
 from models.layers.params import normal, param
 
 
@@ -13,7 +14,14 @@ class Embed(nnx.Module):
         self.table = param(rngs, normal(init_std), (vocab, embed), ("vocab", "embed"))
 
     def __call__(self, tokens):
-        return jnp.take(self.table[...], tokens, axis=0).astype(self.dtype)
+        # The lookup reads the table whole along `embed`, as a matmul reads an FSDP weight
+        # gathered: rows looked up in an embed-split table come out embed-split, and XLA cannot
+        # move them to the residual's batch/length split (nor the backward's gradient rows back)
+        # without replicating them first ("involuntary full rematerialization", with
+        # fsdp/zero1 under context or pipeline). Split over vocab only, the lookup is a masked
+        # local gather summed over those axes.
+        table = constrain_param(self.table[...], ("vocab", None))
+        return jnp.take(table, tokens, axis=0).astype(self.dtype)
 
     def attend(self, x):
         """Logits against the embedding table (tied head)."""
