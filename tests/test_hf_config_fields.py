@@ -111,8 +111,9 @@ def test_published_mamba_codestral_config_converts():
     assert s.time_step_limit == (0.0, None) and not cfg.tie_embeddings
 
 
-def test_convert_cli_imports_a_checkpoint_with_published_fields(tmp_path):
-    """The reported failure: `python -m jaxtrain.convert --hf_dir=D` on a real Llama checkpoint."""
+def test_convert_cli_imports_a_checkpoint_with_published_fields(tmp_path, capfd):
+    """The reported failure: `python -m jaxtrain.convert --hf_dir=D` on a real Llama checkpoint;
+    the fields it accepted without using are named in one line the user sees."""
     from hf_tiny_models import save_tiny_llama
     from jaxtrain.cli import convert
 
@@ -124,6 +125,8 @@ def test_convert_cli_imports_a_checkpoint_with_published_fields(tmp_path):
         json.dump({**raw, **PUBLISHED_EXTRAS, "is_llama_config": True, "rope_interleaved": False}, f)
     assert convert.main([f"--hf_dir={hf_dir}", f"--workdir={tmp_path / 'w'}"]) == 0
     assert os.path.isdir(tmp_path / "w" / "checkpoints" / "0")
+    notes = [line for line in capfd.readouterr().err.splitlines() if "do not change the computation" in line]
+    assert len(notes) == 1 and "unk_token_id" in notes[0] and "_model_name_or_path" in notes[0], notes
 
 
 # (family, change to the written config, what the error must name)

@@ -106,6 +106,18 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def _show_import_notes() -> None:
+    """The HF readers log one info line naming the config fields they accepted without using
+    (provenance, generation settings): a user converting a published checkpoint should see it."""
+    import logging
+    notes = logging.getLogger("jaxtrain.hf")
+    if not notes.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        notes.addHandler(handler)
+    notes.setLevel(logging.INFO)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxtrain.convert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -122,6 +134,7 @@ def main(argv=None) -> int:
         parser.error("give exactly one of --hf_dir (import) or --hf_out (export)")
 
     from jaxtrain.hf.errors import HFCheckpointError, HFConfigError
+    _show_import_notes()
     try:
         if args.hf_dir:
             gin_path = hf_to_checkpoint(args.hf_dir, args.workdir)
