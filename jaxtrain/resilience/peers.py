@@ -27,9 +27,7 @@ jax 0.10 (CPU, gloo):
 from __future__ import annotations
 
 import atexit
-import json
 import os
-import secrets
 import socket
 import sys
 import threading
@@ -374,67 +372,8 @@ class Peers:
 
     # -- the shared checkpoint directory ---------------------------------------------------------
     def check_shared_directory(self, path: str) -> None:
-        """Raises ValueError naming the hosts (hostname, process index) that do not see the
-        directory `path` process 0 sees: process 0 writes a marker file holding a random nonce,
-        the nonce goes through the coordinator, every process looks for the marker under its own
-        `path` and the results are gathered; every process raises the same error. Call it
-        before restoring, from every process. Creates `path` if missing."""
-        if not self.enabled:
-            return
-        path = os.path.abspath(path)
-        os.makedirs(path, exist_ok=True)
-        self._checks += 1
-        key = f"shared/{self._checks}"
-        timeout_ms = int(self.timeout_s * 1000)
-        marker = None
-        if self.index == 0:
-            nonce = secrets.token_hex(16)
-            marker = os.path.join(path, f".jaxtrain-shared-{nonce}")
-            with open(marker, "w") as f:
-                f.write(nonce)
-            self._set(f"{key}/nonce", nonce)
-        results, waiting_for = {}, 0
-        try:
-            nonce = self.client.blocking_key_value_get(PREFIX + f"{key}/nonce", timeout_ms)
-            seen = self._sees_marker(os.path.join(path, f".jaxtrain-shared-{nonce}"), nonce)
-            self._set(f"{key}/result/{self.index}", json.dumps({"ok": seen, "host": self.host, "path": path}))
-            deadline = time.monotonic() + self.timeout_s
-            for waiting_for in range(self.count):
-                left_ms = max(int((deadline - time.monotonic()) * 1000), 1)
-                results[waiting_for] = json.loads(
-                    self.client.blocking_key_value_get(PREFIX + f"{key}/result/{waiting_for}", left_ms))
-        except Exception as e:
-            self.abort(exit_codes.PEER, f"process {self.index}: {self.name(waiting_for)} did not answer the "
-                                        f"shared-checkpoint-directory check within {self.timeout_s:g} s "
-                                        f"(not started, hung or dead?): {_one_line(e, 200)}")
-        finally:
-            if marker is not None:
-                try:
-                    os.remove(marker)
-                except OSError:
-                    pass
-        missing = [j for j, r in sorted(results.items()) if not r["ok"]]
-        if missing:
-            others = ", ".join(f"process {j} (host {results[j]['host']}, {results[j]['path']})" for j in missing)
-            raise ValueError(f"process {self.index}: the checkpoint directory is not one directory shared by "
-                             f"every process: {others} cannot see the marker that process 0 (host {results[0]['host']}) "
-                             f"wrote in {results[0]['path']}; put the workdir on storage every host mounts")
+        """Raises ValueError on every process when `path` is not one directory all of them see
+        (jaxtrain/resilience/shared_directory.py). Call it before restoring, from every process."""
+        from jaxtrain.resilience.shared_directory import check_shared_directory
 
-    def _sees_marker(self, marker: str, nonce: str) -> bool:
-        """Looks for the marker for a few seconds: a network filesystem may show a new file on
-        another host only after its attribute cache expires."""
-        deadline = time.monotonic() + min(10.0, self.timeout_s / 3)
-        while True:
-            try:
-                with open(marker) as f:
-                    if f.read() == nonce:
-                        return True
-            except OSError:
-                pass
-            if time.monotonic() >= deadline:
-                return False
-            try:
-                os.listdir(os.path.dirname(marker))  # refreshes the directory's cached entries
-            except OSError:
-                pass
-            time.sleep(0.2)
+        check_shared_directory(self, path)

@@ -47,9 +47,9 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 class StopSignals:
     """Installed for the duration of a run (with `exit_in_startup`, from before jax starts; then
-    the loop calls `steps_began()` once its first step is dispatched). `should_stop(step)` is called by the loop after each
-    step is dispatched, with the number of completed steps, including the run's last step; it
-    returns True on every process at the same step once any process got SIGTERM or SIGINT: with
+    the loop calls `steps_began()` once its first step is dispatched). `should_stop(step)` is
+    called by the loop after each step is dispatched, with the number of completed steps,
+    including the run's last step; it returns True on every process at the same step once any process got SIGTERM or SIGINT: with
     one process at the step it is called with, with several within two steps after it. A
     second SIGINT exits at once, without saving (exit code 130). `restore()` puts the previous
     handlers back.

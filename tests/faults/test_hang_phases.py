@@ -2,7 +2,8 @@
 in the first step (where it compiles), in a save or in an eval fires it through the real CLI on a
 tiny model, with a line naming the phase and its bound, every thread's stack, and exit HANG.
 Each part hangs by injection (tests/faults/peer_faults.py FAULT_HANG_IN, FAULT_HANG_STEP) under a
-bound of a few seconds."""
+bound of a few seconds; a restore, save or eval hangs 30 s, so that a run whose watchdog misses it
+ends (exit 0) instead of running into the test's timeout."""
 import re
 
 import pytest
@@ -11,17 +12,18 @@ from cli_runs import steps_on_disk, train
 from jaxtrain.resilience import exit_codes
 
 BOUND = 3  # seconds: the bound of the hanging part; the others keep their generous defaults
+HANG = {"FAULT_HANG_S": "30"}
 
 CASES = {  # part: (the bindings that make the part happen and bound it, the fault, the phase's words)
-    "restore": ([f"TrainConfig.hang_restore_s={BOUND}"], {"FAULT_HANG_IN": "restore"},
+    "restore": ([f"TrainConfig.hang_restore_s={BOUND}"], {"FAULT_HANG_IN": "restore", **HANG},
                 r"the restore of the newest checkpoint \(or the initialization\) has not finished after \d+ s, "
                 rf"over the bound TrainConfig.hang_restore_s={BOUND}"),
     "first step": ([f"TrainConfig.hang_first_steps_s={BOUND}"], {"FAULT_HANG_STEP": "1"},
                    r"no step finished for \d+ s \(step 1 in flight, among the first 2 steps, compilation "
                    rf"included\), over the bound TrainConfig.hang_first_steps_s={BOUND}"),
-    "save": ([f"TrainConfig.hang_save_s={BOUND}", "TrainConfig.checkpoint_every=2"], {"FAULT_HANG_IN": "save"},
+    "save": ([f"TrainConfig.hang_save_s={BOUND}", "TrainConfig.checkpoint_every=2"], {"FAULT_HANG_IN": "save", **HANG},
              rf"the save of step 2 has not finished after \d+ s, over the bound TrainConfig.hang_save_s={BOUND}"),
-    "eval": ([f"TrainConfig.hang_eval_s={BOUND}", "TrainConfig.eval_every=2"], {"FAULT_HANG_IN": "eval"},
+    "eval": ([f"TrainConfig.hang_eval_s={BOUND}", "TrainConfig.eval_every=2"], {"FAULT_HANG_IN": "eval", **HANG},
              rf"the eval at step 2 has not finished after \d+ s, over the bound TrainConfig.hang_eval_s={BOUND}"),
 }
 
@@ -30,7 +32,7 @@ CASES = {  # part: (the bindings that make the part happen and bound it, the fau
 def test_a_hang_in_each_part_of_the_run_fires_the_watchdog_naming_it(tmp_path, part):
     bindings, fault, words = CASES[part]
     proc = train(tmp_path / "run", "TrainConfig.steps=6", *bindings, wrapper="peer_faults.py", fault_env=fault,
-                 timeout=240)
+                 timeout=180)
     assert proc.returncode == exit_codes.HANG, (proc.returncode, proc.stderr[-3000:])
     [line] = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
     assert re.fullmatch(rf"error: process 0: hung: {words}; every thread's stack follows", line), line
