@@ -128,9 +128,11 @@ class ItemFit:
 def fit_item(step: int, step_dir: str, item: str, abstract) -> ItemFit:
     """How the saved `item` of `step` restores into `abstract` (ShapeDtypeStructs with
     shardings). Raises IncompatibleCheckpoint when it does not fit; lets an unreadable
-    metadata file's error through (the caller calls that corrupt)."""
+    metadata file's error through, or raises ValueError (the caller calls that corrupt)."""
     tree, saved = saved_item(step_dir, item)
     now = abstract_leaves(abstract)
+    if not saved and now:  # Orbax logs unreadable array metadata and returns none: a damaged step
+        raise ValueError(f"no readable array metadata in {os.path.join(step_dir, item)}")
     if saved == now:
         return ItemFit(abstract)
     moved = moved_leaves(saved, now) if item == "opt_state" else None
