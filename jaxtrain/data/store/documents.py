@@ -22,6 +22,7 @@ JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 SUFFIXES = (".txt",) + JSONL_SUFFIXES + (".parquet",)
 # The record fields each format reads (text: the --text_field).
 FORMAT_FIELDS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion")}
+TABLE_BATCH_ROWS = 1024  # rows of a parquet file or datasets folder read at a time
 
 
 @dataclasses.dataclass
@@ -210,7 +211,7 @@ def _parquet_rows(path: pathlib.Path, fields):
 
     handle = pq.ParquetFile(path)
     total_rows, size, start = max(handle.metadata.num_rows, 1), path.stat().st_size, 0
-    for batch in handle.iter_batches(batch_size=1024, columns=list(fields)):
+    for batch in handle.iter_batches(batch_size=TABLE_BATCH_ROWS, columns=list(fields)):
         columns = batch.to_pydict()
         start += batch.num_rows
         yield from _rows(columns, fields, start - batch.num_rows, size * start // total_rows)
@@ -231,7 +232,7 @@ def _load_dataset(path: pathlib.Path):
 def _datasets_rows(path: pathlib.Path, fields):
     dataset = _load_dataset(path).select_columns(list(fields))
     total_rows, size = max(dataset.num_rows, 1), input_size(path)
-    for start in range(0, dataset.num_rows, 1024):
-        columns = dataset[start:start + 1024]
-        stop = min(start + 1024, dataset.num_rows)
+    for start in range(0, dataset.num_rows, TABLE_BATCH_ROWS):
+        columns = dataset[start:start + TABLE_BATCH_ROWS]
+        stop = min(start + TABLE_BATCH_ROWS, dataset.num_rows)
         yield from _rows(columns, fields, start, size * stop // total_rows)
