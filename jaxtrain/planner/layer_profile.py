@@ -41,11 +41,18 @@ class Residual:
     square_bytes: float  # bytes per (query, key) pair of a row: scores kept whole (e.g. attention under `dots`)
     tensor_split: bool  # one of its dimensions is split over `tensor`
     itemsize: int  # bytes of one element as traced
+    # Without remat, a token residual in a 2-byte compute dtype without a tensor-split dimension
+    # is a matmul's input (the normed stream cast for the projections, MLA's latent and rotary
+    # key): under sequence parallelism it is the all-gathered sequence, whole on every device
+    # (the float32 residual stream around the norms stays split). Under the dots policies such
+    # residuals are matmul outputs, reduce-scattered: split.
+    gathered_input: bool = False
 
     def per_device(self, shape: "TokenShape") -> float:
         """Bytes on one device holding `shape.rows` rows of `shape.length` of the sequence's
         `shape.full_length` positions."""
-        split = self.tensor_split or (shape.sequence_parallel and self.token_bytes and not self.fixed_bytes)
+        split = self.tensor_split or (shape.sequence_parallel and self.token_bytes and not self.fixed_bytes
+                                      and not self.gathered_input)
         widen = 2 if shape.widen_half and self.itemsize == 2 else 1
         grows = self.token_bytes * shape.rows * shape.length + self.square_bytes * shape.rows * shape.length * shape.full_length
         return (self.fixed_bytes + grows * widen) / (shape.tensor if split else 1)
@@ -153,8 +160,9 @@ def _profile_kind(path, stack, count: int, in_pattern: bool, embed: int, dtype, 
             else:
                 per_token = (size_b - size_a) / (long - short)
                 fixed, square = max(size_a - per_token * short, 0.0), 0.0
-            out.append(Residual(fixed, per_token, square, any(d in tensor_sizes for d in fixed_dims),
-                                jnp.dtype(ra.dtype).itemsize))
+            itemsize = jnp.dtype(ra.dtype).itemsize
+            out.append(Residual(fixed, per_token, square, any(d in tensor_sizes for d in fixed_dims), itemsize,
+                                gathered_input=name == "none" and itemsize == 2 and not fixed))
         residuals[name] = tuple(out)
     routers = [node.cfg for _, node in nnx.iter_graph(stack.layers) if isinstance(node, MoEBlock)]
     top_k = max((r.top_k for r in routers), default=0)

@@ -96,10 +96,14 @@ class MemoryEstimate:
         return self.arguments + self.temp
 
 
-def saved_activations(profile: ModelProfile, policy: str, shape: TokenShape) -> tuple[float, float]:
-    """(device, host) bytes of the residuals every layer keeps for the backward pass. A pattern
-    stack (a switch over kinds) keeps what every kind of it would save, per layer, unless only
-    the layer input is kept (`full`)."""
+def saved_activations(profile: ModelProfile, policy: str, shape: TokenShape, switch: bool = True,
+                      extra: dict | None = None) -> tuple[float, float]:
+    """(device, host) bytes of the residuals every layer keeps for the backward pass, plus
+    `extra` bytes per layer of a kind. A pattern stack (a switch over kinds, `switch`) keeps
+    what every kind of it would save, per layer, unless only the layer input is kept (`full`);
+    a pipeline stage runs each kind's slots as a scan of their own (models/stage_program.py):
+    no switch, each layer keeps its own kind's."""
+    extra = extra or {}
     device_policy = "full" if policy == "offload_dots" else policy
     per_kind = {k.kind: k.bytes(device_policy, shape) for k in profile.kinds}
     host_kind = {k.kind: k.bytes("dots_no_batch", shape) if policy == "offload_dots" else 0.0
@@ -108,10 +112,10 @@ def saved_activations(profile: ModelProfile, policy: str, shape: TokenShape) -> 
     device = host = 0.0
     for path in profile.sequence:
         kind = profile.kind(path)
-        if kind.in_pattern and device_policy != "full":
-            device += sum(per_kind[p] for p in pattern_kinds)
+        if kind.in_pattern and switch and device_policy != "full":
+            device += sum(per_kind[p] + extra.get(p, 0.0) for p in pattern_kinds)
         else:
-            device += per_kind[path]
+            device += per_kind[path] + extra.get(path, 0.0)
         host += host_kind[path]
     return device, host
 
@@ -199,19 +203,17 @@ def estimate_memory(profile: ModelProfile, state: StateBytes, *, policy: str, si
     length = seq_len / sizes["context"]
     shape = TokenShape(rows=rows, length=length, full_length=seq_len, tensor=sizes["tensor"],
                        sequence_parallel=rules_name.split("+")[0].endswith("_sp"), widen_half=platform.widen_half)
-    # XLA:CPU widens the activations it keeps across the scan of layers, not the transient ones
-    working = dataclasses.replace(shape, widen_half=False)
+    # XLA:CPU widens the activations it keeps across the scan of layers, not the transient ones;
+    # one layer's backward works on the gathered sequence under sequence parallelism
+    working = dataclasses.replace(shape, widen_half=False, sequence_parallel=False)
     if sizes["pipeline"] > 1:
         policy = pipelined_policy(policy, pipeline_passes)
     layer_leaves = [leaf for leaf in state.leaves if leaf.in_layers]
     kind_leaves = {k.kind: [leaf for leaf in layer_leaves if tuple(leaf.path[:len(k.kind)]) == k.kind]
                    for k in profile.kinds}
-    saved, host_saved = saved_activations(profile, policy, shape)
     kept_exchange = {k.kind: exchange_saved(k, kind_leaves[k.kind], sizes, working, profile, platform, policy)
                      for k in profile.kinds}
-    pattern_kinds = [k.kind for k in profile.kinds if k.in_pattern]
-    saved += sum(sum(kept_exchange[p] for p in pattern_kinds) if profile.kind(path).in_pattern
-                 else kept_exchange[path] for path in profile.sequence)
+    saved, host_saved = saved_activations(profile, policy, shape, switch=sizes["pipeline"] == 1, extra=kept_exchange)
     if sizes["pipeline"] > 1:
         # A stage keeps its slots' activations for every tick it has a microbatch in flight.
         in_flight = pipeline_work * pipeline_ticks / (sizes["pipeline"] * pipeline_passes)
