@@ -103,7 +103,8 @@ def test_an_optimizer_state_of_another_kind_is_refused_by_name_and_nothing_moves
         restore_latest(tmp_path / "ck", abstract_of(optax.sgd(0.1, momentum=0.9)))
     message = str(e.value)
     assert "step 2" in message and "saved opt_state does not fit" in message, message
-    assert "(leaves only now: 3 (0/trace/bias, 0/trace/stack, 0/trace/w); only saved: 7 (1/0/count, " in message, message
+    assert "(leaves only now: 3 (0/trace/bias, 0/trace/stack, 0/trace/w); only saved: 7 (1/0/count, " in message, \
+        message
     assert "reset_on_resume=('opt_state',)" in message
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing moved
 

@@ -115,7 +115,8 @@ def test_converted_checkpoint_with_a_flipped_byte_is_corrupt(converted, tmp_path
     data = bytearray(largest.read_bytes())
     data[len(data) // 2] ^= 0x01
     largest.write_bytes(bytes(data))
-    with pytest.raises(CorruptCheckpoint, match="step 0: "):  # a fingerprint mismatch, or a chunk that no longer decodes
+    # a fingerprint mismatch, or a chunk that no longer decodes
+    with pytest.raises(CorruptCheckpoint, match="step 0: "):
         restore_step_0(tmp_path / "checkpoints", converted_abstract_params(workdir))
 
 

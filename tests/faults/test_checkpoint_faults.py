@@ -194,8 +194,8 @@ def test_resume_with_other_clipping_and_roles_carries_the_optimizer_state_over_w
     """Clipping off: the chain's positions move, the Adam moments fit. Two parameters switched to
     no_decay (as Mamba-2's A_log/D/dt_bias were): named in one line."""
     workdir = died_after_step_8(reference, tmp_path)
-    proc = train(workdir, "TrainConfig.steps=9", "OptimizerConfig.clip_norm=None", *EVERY, wrapper="optimizer_faults.py",
-                 fault_env={"FAULT_NO_DECAY": "head/kernel,mlp/up/kernel"})
+    proc = train(workdir, "TrainConfig.steps=9", "OptimizerConfig.clip_norm=None", *EVERY,
+                 wrapper="optimizer_faults.py", fault_env={"FAULT_NO_DECAY": "head/kernel,mlp/up/kernel"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     notes = [line for line in proc.stderr.splitlines() if line.startswith("note:")]
     assert len(notes) == 2, proc.stderr[-3000:]
@@ -216,7 +216,8 @@ def test_resume_with_an_optimizer_of_another_structure_is_refused_and_moves_noth
     assert proc.returncode == exit_codes.BAD_INPUT, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: step 6 in ") and "the saved opt_state does not fit" in last, last
-    assert "(leaves only now: 12 (1/trace/embed/table, 1/trace/final_norm/scale, " in last and "only saved" not in last, last
+    assert "(leaves only now: 12 (1/trace/embed/table, 1/trace/final_norm/scale, " in last, last
+    assert "only saved" not in last, last
     assert "Traceback" not in proc.stderr and "warning: checkpoint" not in proc.stderr
     assert files_of(workdir) == before and not (workdir / "checkpoints_corrupt").exists()
 
