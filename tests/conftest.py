@@ -30,7 +30,7 @@ FAST_MODULES = {
     "test_kernels_ssd_scan", "test_kernels_flash_attention", "test_kernels_flash_attention_pallas",
     "test_parallel_plan", "test_aux_outputs", "test_model_families", "test_grouped_matmul_tiled",
     "test_fsdp_coverage", "test_optimizer_roles", "test_planner",
-    "test_blend", "test_data_sources",
+    "test_blend", "test_data_sources", "test_token_store", "test_megatron_indexed", "test_prepare",
 }
 
 
@@ -42,7 +42,7 @@ MULTIPROCESS = {"test_multihost", "test_peer_faults", "test_stops", "test_startu
 # Modules (or single tests, by name) outside tests/faults/ that start real processes of the CLIs,
 # scripts or a Jupyter kernel (besides MULTIPROCESS).
 END_TO_END = {"test_gpu_check", "test_cli", "test_profiling", "test_notebook",
-              "test_cli_table_json_and_plot_on_16_devices"}
+              "test_cli_table_json_and_plot_on_16_devices", "test_cli_exit_codes_and_a_killed_prepare"}
 
 
 def pytest_collection_modifyitems(config, items):
