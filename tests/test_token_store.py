@@ -142,3 +142,17 @@ def test_corrupt_store_is_refused(small_store, case, message):
     _corrupt(case)(__import__("pathlib").Path(small_store))
     with pytest.raises(DataInputError, match=message):
         open_source(small_store)
+
+
+def test_tokenizer_identity_follows_the_tokenizer_files(tmp_path, rng):
+    import shutil
+
+    from jaxtrain.data.store.tokenizer_identity import tokenizer_identity
+
+    first, _ = make_hf_tokenizer_dir(tmp_path / "one", random_documents(rng, 20))
+    other, _ = make_hf_tokenizer_dir(tmp_path / "two", random_documents(rng, 20) + ["zzzz qqqq"] * 5)
+    copy = tmp_path / "copy" / "hf_tok_True_True"
+    shutil.copytree(first, copy)
+    (copy / "config.json").write_text("{}")  # not a tokenizer file
+    assert tokenizer_identity(str(copy)) == tokenizer_identity(first) != tokenizer_identity(other)
+    assert tokenizer_identity("bytes") == "bytes"

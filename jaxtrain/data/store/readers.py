@@ -31,16 +31,12 @@ def open_source(path: str | os.PathLike, *, vocab_size: int | None = None, pad_i
 
 def check_fits_vocabulary(source, vocab_size: int) -> None:
     """DataInputError naming the source when a token id is >= `vocab_size`. Stores answer from
-    their metadata; Megatron data scans once (cached beside it); other sources are scanned."""
-    if source.vocab_size is not None and source.vocab_size > vocab_size:
-        top = _max_token_id(source)
-        if top < vocab_size:
-            return
-        raise DataInputError(f"{source.name}: token id {top} does not fit the model's vocabulary of "
-                             f"{vocab_size} (the data's tokenizer has {source.vocab_size})")
+    their metadata, Megatron data from one chunked scan (cached beside it); others are scanned."""
     top = _max_token_id(source)
     if top >= vocab_size:
-        raise DataInputError(f"{source.name}: token id {top} does not fit the model's vocabulary of {vocab_size}")
+        recorded = f" (the data's tokenizer has {source.vocab_size})" if source.vocab_size else ""
+        raise DataInputError(
+            f"{source.name}: token id {top} does not fit the model's vocabulary of {vocab_size}{recorded}")
 
 
 def _max_token_id(source) -> int:
