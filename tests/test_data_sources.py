@@ -192,3 +192,21 @@ def test_blend_of_a_store_and_a_megatron_prefix(tmp_path, rng):
     real = batch["segment_ids"] > 0
     from_megatron = (batch["source_ids"] == 1)[:, None] & real
     assert (batch["inputs"][from_megatron] < 32).all() and (batch["inputs"][~from_megatron & real] >= 32).all()
+
+
+def test_store_windows_pickle_without_the_corpus(tmp_path, rng):
+    """A store's window index sent to a worker process carries its path, not the memory-mapped
+    tokens (a pickled numpy memmap copies its data), and reads the same windows there."""
+    from jaxtrain.data.store.prepare import prepare
+
+    raw = tmp_path / "corpus.txt"
+    raw.write_text("\n\n".join(_texts(rng, 400)), encoding="utf-8")
+    prepare([str(raw)], "bytes", tmp_path / "store", workers=1)
+    source = training_sources.corpus_source([str(tmp_path / "store")], "bytes", "text")
+    index = WindowIndex(source, 16, loader.document_order(source, 3))
+    copy = pickle.dumps(index)
+    assert len(copy) < 16 * len(source) + 20_000 < (tmp_path / "store" / "tokens.bin").stat().st_size
+    rows = rng.permutation(index.count)[:20]
+    got, want = pickle.loads(copy).examples(rows), index.examples(rows)
+    for name in FIELDS:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)

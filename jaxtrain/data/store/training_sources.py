@@ -14,6 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxtrain.data.store.memory_source import text_files_source
+from jaxtrain.data.store.reopening_source import ReopeningSource
 
 _DATASETS_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # save_to_disk folders
 
@@ -25,9 +26,12 @@ def _open_store(path: str, tokenizer: str):
     from jaxtrain.data.tokenizer import load_tokenizer
 
     if pathlib.Path(path).is_dir():
-        return open_source(path)
-    ids = load_tokenizer(tokenizer)
-    return open_source(path, vocab_size=ids.vocab_size, pad_id=ids.pad_id)
+        source = ReopeningSource(open_source, path)
+    else:
+        ids = load_tokenizer(tokenizer)
+        source = ReopeningSource(open_source, path, vocab_size=ids.vocab_size, pad_id=ids.pad_id)
+    len(source)  # opened here, so a bad file is reported before anything else
+    return source
 
 
 def _locate(entry: str) -> tuple[str, str]:
