@@ -156,3 +156,20 @@ def test_tokenizer_identity_follows_the_tokenizer_files(tmp_path, rng):
     (copy / "config.json").write_text("{}")  # not a tokenizer file
     assert tokenizer_identity(str(copy)) == tokenizer_identity(first) != tokenizer_identity(other)
     assert tokenizer_identity("bytes") == "bytes"
+
+
+def test_overwrite_replaces_a_store_and_nothing_else(tmp_path, rng):
+    first, second = random_documents(rng, 5), random_documents(rng, 7)
+    out = tmp_path / "store"
+    prepare([write_txt(tmp_path / "a.txt", first)], "bytes", out, workers=1)
+    with pytest.raises(DataInputError, match="already exists .*--overwrite"):
+        prepare([write_txt(tmp_path / "b.txt", second)], "bytes", out, workers=1)
+    prepare([str(tmp_path / "b.txt")], "bytes", out, workers=1, overwrite=True)
+    assert source_documents(open_source(out)) == packed_documents([d.strip() for d in second], load_tokenizer("bytes"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "store"]  # no .tmp-/.old- left
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("mine")
+    with pytest.raises(DataInputError, match="precious: exists and is not a token store"):
+        prepare([str(tmp_path / "b.txt")], "bytes", precious, workers=1, overwrite=True)
+    assert (precious / "notes.txt").read_text() == "mine"
