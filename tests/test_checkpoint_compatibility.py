@@ -96,6 +96,18 @@ def test_clipping_switched_carries_the_adam_moments_over_with_one_line(tmp_path,
     now_tx.update(restored["params"], restored["opt_state"], restored["params"])  # trains on
 
 
+def test_a_stateless_transform_appended_restores_the_same_leaves_without_a_line(tmp_path, capsys):
+    """The same leaves in another tree (an empty node more at the end), which Orbax itself refuses."""
+    saved_tx = optax.chain(optax.adam(0.1))
+    now_tx = optax.chain(optax.adam(0.1), optax.masked(optax.set_to_zero(), lambda p: jax.tree.map(lambda _: False, p)))
+    saved = trained_state(saved_tx)
+    save(tmp_path / "ck", 2, saved)
+    step, restored, _ = restore_latest(tmp_path / "ck", abstract_of(now_tx), strict=True)
+    assert jax.tree.structure(restored["opt_state"]) == jax.tree.structure(abstract_of(now_tx)["opt_state"])
+    assert_trees_equal(restored["opt_state"], saved["opt_state"])
+    assert "carried over" not in capsys.readouterr().err  # no leaf moved
+
+
 def test_an_optimizer_state_of_another_kind_is_refused_by_name_and_nothing_moves(tmp_path):
     save(tmp_path / "ck", 2, trained_state(adamw(1.0)))
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))

@@ -223,7 +223,7 @@ class Checkpointer:
         if manifest is not None and manifest.get("fingerprints"):
             self._verify(step, manifest, state, data_iterator if "data" in expected else None)
         for k in state_items:
-            if fits[k].moved is not None:
+            if fits[k].carried_over:
                 _print_once(carried_over_line(step, k, fits[k]))
         return {k: fits[k].to_now(state[k]) for k in state_items}
 

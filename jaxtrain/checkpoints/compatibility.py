@@ -115,8 +115,13 @@ class ItemFit:
     """How to restore one item: into `target` (this run's abstract tree, or the saved structure
     carrying this run's shardings), then `to_now` the result."""
     target: object
-    moved: dict[str, str] | None = None  # {now path: saved path} when carried over
+    moved: dict[str, str] | None = None  # {now path: saved path}, when restored into the saved tree
     now_abstract: object = None
+
+    @property
+    def carried_over(self) -> bool:
+        """Whether any leaf moves to another position (what the carry-over line reports)."""
+        return self.moved is not None and any(n != s for n, s in self.moved.items())
 
     def to_now(self, restored):
         if self.moved is None:
@@ -133,8 +138,11 @@ def fit_item(step: int, step_dir: str, item: str, abstract) -> ItemFit:
     now = abstract_leaves(abstract)
     if not saved and now:  # Orbax logs unreadable array metadata and returns none: a damaged step
         raise ValueError(f"no readable array metadata in {os.path.join(step_dir, item)}")
-    if saved == now:
-        return ItemFit(abstract)
+    if saved == now and item != "opt_state":
+        return ItemFit(abstract)  # plain dicts of arrays: the same leaves are the same tree
+    # An optax state is tuples and namedtuples with empty nodes Orbax stores as lists, dicts and
+    # None: the same leaves may still sit in another tree (a stateless transform added at the
+    # end). So it is always restored into the saved tree, then moved into this run's by path.
     moved = moved_leaves(saved, now) if item == "opt_state" else None
     if moved is None:
         fix = ("bind TrainConfig.reset_on_resume=('opt_state',) to start the optimizer state fresh on purpose"
