@@ -2,8 +2,10 @@
 anything is restored, so that a config change is never mistaken for a corrupt step.
 
 Each saved leaf (path, shape, dtype) is compared with the run's abstract state. Equal: the item
-restores as it is. Different: either the difference is one of positions only, or the item does
-not fit (`IncompatibleCheckpoint`, a config error the caller reports, never a quarantine).
+restores as it is (the optimizer state into the tree it was saved as, then moved into this run's
+by path, since equal leaves may still sit in another tree of empty nodes). Different: either the
+difference is one of positions only, or the item does not fit (`IncompatibleCheckpoint`, a
+config error the caller reports, never a quarantine).
 
 Positions only: an optax chain's state is a tuple, so adding or removing a stateless transform
 (global-norm clipping: `OptimizerConfig.clip_norm=None`) shifts the index of every leaf after
