@@ -122,6 +122,7 @@ def saved_activations(profile: ModelProfile, policy: str, shape: TokenShape, swi
 
 EXCHANGE_COPIES = 4  # routed tokens received, expert outputs sent back, and both gradients
 EXPERT_HIDDEN_COPIES = 3  # gate, up and activation outputs of the received rows
+GATED_EXPERT_MATRICES = 3  # gate, up, down: the expert the hidden copies are counted for
 
 
 def received_rows(kind, leaves, sizes: dict[str, int], shape: TokenShape) -> tuple[float, int, int]:
@@ -177,9 +178,14 @@ def _received_row_bytes(kind, leaves, sizes, shape, profile, platform, copies: t
     rows, ep, etp = received_rows(kind, leaves, sizes, shape)
     if ep == 1 or kind.capacity_factor is not None:
         return 0.0
-    hidden = _expert_hidden([leaf for leaf in leaves if "experts" in leaf.names], profile.embed)
+    expert_leaves = [leaf for leaf in leaves if "experts" in leaf.names]
+    hidden = _expert_hidden(expert_leaves, profile.embed)
+    # The hidden copies are a gated expert's (gate, up, down: three hidden-wide values per
+    # row); an ungated one (up, down) holds two thirds of them.
+    matrices = sum("expert_mlp" in leaf.names for leaf in expert_leaves) or GATED_EXPERT_MATRICES
     widen = 2 if platform.widen_half and profile.compute_itemsize == 2 else 1
-    per_row = (copies[0] * profile.embed + copies[1] * hidden / etp) * profile.compute_itemsize
+    per_row = (copies[0] * profile.embed + copies[1] * matrices / GATED_EXPERT_MATRICES * hidden / etp
+               ) * profile.compute_itemsize
     return rows * (ep - 1) / ep * per_row * widen
 
 
