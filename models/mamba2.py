@@ -7,7 +7,7 @@ from typing import Mapping
 
 from flax import nnx
 
-from models.causal_lm import CausalLM, add_residual
+from models.causal_lm import CausalLM, add_residual, layer_input
 from models.dtypes import dtype_from_name
 from models.family import model_family
 from models.layers.mamba2 import Mamba2Mixer, SSMConfig
@@ -25,7 +25,7 @@ class Mamba2Block(nnx.Module):
                                  kernels=kernels)
 
     def __call__(self, x, positions, segment_ids):
-        return add_residual(x, self.mixer(self.norm(x), segment_ids)), {}
+        return add_residual(x, self.mixer(layer_input(self.norm(x)), segment_ids)), {}
 
 
 @model_family("mamba2", "pure Mamba-2 language model")

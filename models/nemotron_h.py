@@ -16,7 +16,7 @@ from typing import Mapping
 
 from flax import nnx
 
-from models.causal_lm import CausalLM, add_residual
+from models.causal_lm import CausalLM, add_residual, layer_input
 from models.dtypes import dtype_from_name
 from models.family import model_family
 from models.layers.attention import GroupedQueryAttention
@@ -130,7 +130,7 @@ class AttentionLayer(nnx.Module):
                                           attention=cfg.attention)
 
     def __call__(self, x, positions, segment_ids):
-        return add_residual(x, self.attn(self.norm(x), positions, segment_ids)), {}
+        return add_residual(x, self.attn(layer_input(self.norm(x)), positions, segment_ids)), {}
 
 
 class MLPLayer(nnx.Module):
@@ -140,7 +140,7 @@ class MLPLayer(nnx.Module):
                             init_std=cfg.init_std, dtype=dtype_from_name(cfg.dtype))
 
     def __call__(self, x, positions, segment_ids):
-        return add_residual(x, self.mlp(self.norm(x))), {}
+        return add_residual(x, self.mlp(layer_input(self.norm(x)))), {}
 
 
 class MoELayer(nnx.Module):
@@ -154,5 +154,5 @@ class MoELayer(nnx.Module):
                             latent_bias=cfg.mlp_bias, kernels=cfg.kernels, **kw)
 
     def __call__(self, x, positions, segment_ids):
-        y, stats = self.moe(self.norm(x))
+        y, stats = self.moe(layer_input(self.norm(x)))
         return add_residual(x, y), {"moe": stats}
