@@ -119,7 +119,8 @@ def main(argv=None) -> None:
     rows = {"big": in_fresh_process("first_batch", str(big)), "small": in_fresh_process("first_batch", str(small))}
     fast = in_fresh_process("throughput", str(big), args.batches)
     step, consumed = h200_windows_per_s()
-    size = {name: sum(f.stat().st_size for f in path.iterdir()) / 2**20 for name, path in (("big", big), ("small", small))}
+    size = {name: sum(f.stat().st_size for f in path.iterdir()) / 2**20
+            for name, path in (("big", big), ("small", small))}
     print(f"{'store':>8} {'size MB':>9} {'first batch s':>14} {'peak RSS MB':>12}")
     for name in ("big", "small"):
         print(f"{name:>8} {size[name]:>9.0f} {rows[name]['first_batch_s']:>14.3f} {rows[name]['peak_rss_mb']:>12.0f}")
@@ -128,7 +129,8 @@ def main(argv=None) -> None:
     print(f"start-up big/small: {ratio:.2f}x time, {extra:+.0f} MB peak RSS (targets <= 1.3x, <= +300 MB)")
     print(f"loader: {fast['windows_per_s']:.0f} windows/s of {GLOBAL_BATCH} x {SEQ_LEN} "
           f"({fast['batches']} batches in {fast['seconds']:.2f} s, 0 worker processes, 1 prefetch thread)")
-    print(f"H200 (planner, gpu_dense_4k.gin at {GLOBAL_BATCH} x {SEQ_LEN}): step {step:.3f} s = {consumed:.1f} windows/s; "
+    print(f"H200 (planner, gpu_dense_4k.gin at {GLOBAL_BATCH} x {SEQ_LEN}): step {step:.3f} s = "
+          f"{consumed:.1f} windows/s; "
           f"loader / H200 = {fast['windows_per_s'] / consumed:.0f}x (target >= 20x)")
 
 

@@ -64,8 +64,9 @@ class TrainLoop:
                 print(f"jaxtrain: {self.tr.pipeline_summary}", flush=True)
             blend = self.tr.exp.data.blend
             if blend:  # what the metrics' source_tokens_<j> count
-                print("jaxtrain: blend " + ", ".join(f"source_tokens_{j} = {path} (weight {weight})" for j, (weight, path)
-                                                     in enumerate(zip(blend[0::2], blend[1::2]))), flush=True)
+                sources = enumerate(zip(blend[0::2], blend[1::2]))
+                print("jaxtrain: blend " + ", ".join(f"source_tokens_{j} = {path} (weight {weight})"
+                                                     for j, (weight, path) in sources), flush=True)
         # last_step: a request made while a process passes the run's last step is answered there
         own_signals = self.signals is None
         signals = StopSignals(self.peers).install() if own_signals else self.signals.attach(self.peers)

@@ -73,7 +73,8 @@ def _file_key(path: pathlib.Path) -> tuple[str, int, int]:
     return str(path), stat.st_mtime_ns, stat.st_size
 
 
-def text_files_source(files: Sequence[str | os.PathLike], tokenizer_spec: str, text_field: str = "text") -> MemorySource:
+def text_files_source(files: Sequence[str | os.PathLike], tokenizer_spec: str,
+                      text_field: str = "text") -> MemorySource:
     """The documents of raw `.txt`/`.jsonl`/`save_to_disk` files, in file order, each framed as
     `[bos] + tokens + [eos]` with `tokenizer_spec`'s ids (cached while the files are unchanged)."""
     from jaxtrain.data.packing import resolve_path  # (packing imports this module)
