@@ -210,3 +210,23 @@ def test_store_windows_pickle_without_the_corpus(tmp_path, rng):
     got, want = pickle.loads(copy).examples(rows), index.examples(rows)
     for name in FIELDS:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_stores_and_raw_files_in_one_list_are_one_corpus_in_order(tmp_path, rng):
+    """train_files = [store of a, b.txt, store of c] trains exactly like [a.txt, b.txt, c.txt]."""
+    from jaxtrain.data.store.prepare import prepare
+
+    raws = []
+    for name in "abc":
+        raw = tmp_path / f"{name}.txt"
+        raw.write_text("\n\n".join(_texts(rng, int(rng.integers(5, 15)))), encoding="utf-8")
+        raws.append(str(raw))
+    for name in "ac":
+        prepare([str(tmp_path / f"{name}.txt")], "bytes", tmp_path / f"store_{name}", workers=1)
+    mixed = (str(tmp_path / "store_a"), raws[1], str(tmp_path / "store_c"))
+
+    def iterator(files):
+        cfg = data.DataConfig(train_files=files, eval_files=files)
+        return data.make_train_iterator(cfg, seq_len=11, global_batch=3, seed=8)
+
+    _assert_same_batches(iterator(mixed), iterator(tuple(raws)), 8)

@@ -93,10 +93,16 @@ def corpus_source(entries: Sequence[str], tokenizer: str, text_field: str):
     """One source from a DataConfig file list (raw files together, stores/prefixes each)."""
     if not entries:
         raise ValueError("empty corpus: (no files given)")
-    located = [_locate(e) for e in entries]
-    raw = [path for kind, path in located if kind == "raw"]
-    parts = [text_files_source(raw, tokenizer, text_field)] if raw else []
-    parts += [_open_store(path, tokenizer) for kind, path in located if kind == "store"]
+    parts, raw = [], []  # consecutive raw files form one in-memory part; the order is kept
+    for kind, path in [_locate(e) for e in entries] + [("end", None)]:
+        if kind == "raw":
+            raw.append(path)
+            continue
+        if raw:
+            parts.append(text_files_source(raw, tokenizer, text_field))
+            raw = []
+        if kind == "store":
+            parts.append(_open_store(path, tokenizer))
     source = parts[0] if len(parts) == 1 else ConcatSource(parts)
     check_source(source, tokenizer)
     return source
