@@ -56,6 +56,17 @@ def _encode_in_worker(batch: documents.RawBatch) -> formats.EncodedBatch:
     return _worker_encoder.encode(batch)
 
 
+def _start_method() -> str:
+    """fork where it is safe (Linux, one thread, no jax: the CLI), so workers start at once with
+    the tokenizer library already imported; spawn elsewhere (a forked copy of a process holding
+    jax or other threads can deadlock)."""
+    import threading
+
+    if sys.platform == "linux" and threading.active_count() == 1 and "jax" not in sys.modules:
+        return "fork"
+    return "spawn"
+
+
 def _encoded_batches(batches, encoder_args, workers: int):
     """Encoded batches in input order; `workers` processes (1: this process) with bounded backlog."""
     if workers <= 1:
@@ -63,7 +74,7 @@ def _encoded_batches(batches, encoder_args, workers: int):
         for batch in batches:
             yield encoder.encode(batch)
         return
-    context = multiprocessing.get_context("spawn")  # no fork of a process that may hold jax or threads
+    context = multiprocessing.get_context(_start_method())
     pool = context.Pool(workers, initializer=_start_worker, initargs=(encoder_args,))
     try:
         pending = collections.deque()
@@ -84,6 +95,7 @@ def _progress(total_bytes: int, enabled: bool):
         return None
     from tqdm import tqdm
 
+    tqdm.monitor_interval = 0  # no monitor thread: the workers may then be forked
     return tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="prepare", smoothing=0.1)
 
 
