@@ -160,10 +160,12 @@ def main(argv=None) -> int:
           f"{os.cpu_count()} cores")
     print(f"| {'what':<52} | {'seconds':>8} | {'M tokens/s':>10} | {'CPU s':>7} | {'M tokens/CPU s':>14} |")
     for name, tokens, seconds, cpu in rows:
-        print(f"| {name:<52} | {seconds:8.1f} | {tokens / seconds / 1e6:10.2f} | {cpu:7.1f} | {tokens / cpu / 1e6:14.3f} |")
+        print(f"| {name:<52} | {seconds:8.1f} | {tokens / seconds / 1e6:10.2f} | {cpu:7.1f} "
+              f"| {tokens / cpu / 1e6:14.3f} |")
     for label, column in (("wall", 2), ("CPU", 3)):
         raw, prep, hf = (row[1] / row[column] for row in rows)
-        print(f"{label}: prepare / raw = {prep / raw:.2f} (target >= 0.8); prepare / datasets.map = {prep / hf:.2f} (target > 1)")
+        print(f"{label}: prepare / raw = {prep / raw:.2f} (target >= 0.8); "
+              f"prepare / datasets.map = {prep / hf:.2f} (target > 1)")
     return 0
 
 

@@ -43,7 +43,8 @@ def write_records(path, records):
 def chat_tokenizers(tmp_path_factory):
     folder = tmp_path_factory.mktemp("chat_tok")
     texts = [" ".join(WORDS)] * 4
-    return make_chat_tokenizer(folder / "plain", texts, CHATML), make_chat_tokenizer(folder / "marked", texts, CHATML_MARKED)
+    plain = make_chat_tokenizer(folder / "plain", texts, CHATML)
+    return plain, make_chat_tokenizer(folder / "marked", texts, CHATML_MARKED)
 
 
 def test_chat_mask_is_exactly_the_assistant_turns(tmp_path, rng, chat_tokenizers):
@@ -151,7 +152,8 @@ def test_cli_exit_codes_and_a_killed_prepare(tmp_path, rng):
     assert source_documents(open_source(out)) == [[256] + list(d.strip().encode()) + [257] for d in docs]
     again = _cli("prepare", "--input", corpus, "--tokenizer", "bytes", "--out", str(out))
     assert again.wait(60) == 2
-    assert again.stderr.read().strip() == f"error: {out}: already exists (a complete store); pass --overwrite to replace it"
+    expected = f"error: {out}: already exists (a complete store); pass --overwrite to replace it"
+    assert again.stderr.read().strip() == expected
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"text": 1}\n')
     failed = _cli("prepare", "--input", str(bad), "--tokenizer", "bytes", "--out", str(tmp_path / "other"))

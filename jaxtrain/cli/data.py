@@ -23,7 +23,8 @@ def _parser() -> argparse.ArgumentParser:
                       help=".txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet files, save_to_disk folders, or globs")
     prep.add_argument("--tokenizer", required=True, help="'bytes' or a local Hugging Face tokenizer directory")
     prep.add_argument("--out", required=True, help="the store directory (a prefix with --megatron)")
-    prep.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes (default: all cores)")
+    prep.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                      help="tokenizing processes (default: all cores)")
     prep.add_argument("--format", default="text", choices=("text", "chat", "prompt_completion"))
     prep.add_argument("--text_field", default="text", help="the text field of JSON lines / column of tables")
     prep.add_argument("--overwrite", action="store_true", help="replace an existing complete store")
