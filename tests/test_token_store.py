@@ -173,3 +173,27 @@ def test_overwrite_replaces_a_store_and_nothing_else(tmp_path, rng):
     with pytest.raises(DataInputError, match="precious: exists and is not a token store"):
         prepare([str(tmp_path / "b.txt")], "bytes", precious, workers=1, overwrite=True)
     assert (precious / "notes.txt").read_text() == "mine"
+
+
+def test_reading_stays_a_few_batches_ahead_of_writing(tmp_path, rng, monkeypatch):
+    """Memory is bounded: the inputs are read lazily, at most 2 x workers batches ahead of the
+    writer, whatever the corpus size."""
+    from jaxtrain.data.store import prepare as prepare_module
+
+    pulled, lead = [0], []
+    original_read, original_add = documents.read_batches, StoreWriter.add
+
+    def counting_read(*args, **kwargs):
+        for batch in original_read(*args, **kwargs):
+            pulled[0] += 1
+            yield batch
+
+    def recording_add(self, *args):
+        lead.append(pulled[0] - len(lead) - 1)  # batches read but not yet written
+        return original_add(self, *args)
+
+    monkeypatch.setattr(prepare_module.documents, "read_batches", counting_read)
+    monkeypatch.setattr(StoreWriter, "add", recording_add)
+    docs = random_documents(rng, 60, max_words=3)
+    prepare([write_jsonl(tmp_path / "a.jsonl", docs)], "bytes", tmp_path / "s", workers=2, batch_documents=2)
+    assert len(lead) == 30 and max(lead) <= 2 * 2 and pulled[0] == 30
