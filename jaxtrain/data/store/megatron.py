@@ -167,9 +167,10 @@ class MegatronIndexedDataset:
 
 class MegatronWriter:
     """Writes `prefix.bin` + `prefix.idx` byte for byte as Megatron's builder does: one sequence
-    per document (`add_document`), or several (`add_sequences`). Streams the .bin; keeps only
-    the index arrays (12 bytes per sequence) in memory. Both files appear only at `commit`
-    (written under temporary names, the .idx renamed last)."""
+    per document (`add_document`, `add_batch`), or several (`add_sequences`). Memory stays
+    bounded: tokens, sequence lengths and document ends are streamed to temporary files, and the
+    index is assembled from them in chunks at `commit`. Both files appear only then (the .idx
+    renamed last)."""
 
     def __init__(self, prefix: str | os.PathLike, dtype=np.uint16):
         self.prefix = str(prefix)
@@ -178,18 +179,20 @@ class MegatronWriter:
         self._tmp = f".tmp-{os.getpid()}"
         pathlib.Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
         self._bin = open(f"{self.prefix}.bin{self._tmp}", "wb")
-        self._lengths: list[np.ndarray] = []
-        self._doc_ends: list[np.ndarray] = []
+        self._lengths = open(f"{self.prefix}.lengths{self._tmp}", "wb")  # int32 per sequence
+        self._doc_ends = open(f"{self.prefix}.docs{self._tmp}", "wb")  # int64 per document
         self._sequences = 0
+        self._documents = 0
 
     def add_sequences(self, sequences) -> None:
         """One document made of these token sequences."""
         for seq in sequences:
             seq = np.asarray(seq)
             self._bin.write(np.ascontiguousarray(seq, self.dtype).tobytes())
-            self._lengths.append(np.array([len(seq)], np.int32))
+            self._lengths.write(np.array([len(seq)], np.int32).tobytes())
             self._sequences += 1
-        self._doc_ends.append(np.array([self._sequences], np.int64))
+        self._doc_ends.write(np.array([self._sequences], np.int64).tobytes())
+        self._documents += 1
 
     def add_document(self, tokens) -> None:
         self.add_sequences([tokens])
@@ -197,34 +200,50 @@ class MegatronWriter:
     def add_batch(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Many one-sequence documents at once (concatenated tokens and their lengths)."""
         self._bin.write(np.ascontiguousarray(tokens, self.dtype).tobytes())
-        self._lengths.append(np.asarray(lengths, np.int32))
-        self._doc_ends.append(np.arange(self._sequences + 1, self._sequences + len(lengths) + 1))
+        self._lengths.write(np.asarray(lengths, np.int32).tobytes())
+        ends = np.arange(self._sequences + 1, self._sequences + len(lengths) + 1, dtype=np.int64)
+        self._doc_ends.write(ends.tobytes())
         self._sequences += len(lengths)
+        self._documents += len(lengths)
 
     def commit(self) -> str:
         from jaxtrain.data.store.store_writer import fsync_path
 
-        self._bin.flush()
-        os.fsync(self._bin.fileno())
-        self._bin.close()
-        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
-        pointers = np.zeros(len(lengths), np.int64)
-        np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        doc_index = np.concatenate([np.zeros(1, np.int64)] + self._doc_ends).astype(np.int64)
+        for handle in (self._bin, self._lengths, self._doc_ends):
+            handle.flush()
+            os.fsync(handle.fileno())
+            handle.close()
+        lengths_path, ends_path = f"{self.prefix}.lengths{self._tmp}", f"{self.prefix}.docs{self._tmp}"
         idx_tmp = f"{self.prefix}.idx{self._tmp}"
         with open(idx_tmp, "wb") as f:
-            f.write(_HEADER.pack(MAGIC, VERSION, code_of(self.dtype), len(lengths), len(doc_index)))
-            f.write(lengths.tobytes())
-            f.write(pointers.tobytes())
-            f.write(doc_index.tobytes())
+            f.write(_HEADER.pack(MAGIC, VERSION, code_of(self.dtype), self._sequences, self._documents + 1))
+            _copy(lengths_path, f)
+            at = 0  # byte pointer of the next sequence, carried across chunks
+            with open(lengths_path, "rb") as lengths:
+                while chunk := lengths.read(4 * _CHUNK):
+                    sizes = np.frombuffer(chunk, np.int32).astype(np.int64) * self.dtype.itemsize
+                    pointers = at + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+                    f.write(pointers.astype(np.int64).tobytes())
+                    at += int(sizes.sum())
+            f.write(np.zeros(1, np.int64).tobytes())
+            _copy(ends_path, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(f"{self.prefix}.bin{self._tmp}", f"{self.prefix}.bin")
         os.replace(idx_tmp, f"{self.prefix}.idx")
         fsync_path(pathlib.Path(self.prefix).parent)
+        for path in (lengths_path, ends_path):
+            os.unlink(path)
         return self.prefix
 
     def abort(self) -> None:
-        self._bin.close()
-        for suffix in (".bin", ".idx"):
+        for handle in (self._bin, self._lengths, self._doc_ends):
+            handle.close()
+        for suffix in (".bin", ".idx", ".lengths", ".docs"):
             pathlib.Path(f"{self.prefix}{suffix}{self._tmp}").unlink(missing_ok=True)
+
+
+def _copy(path: str, out) -> None:
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            out.write(chunk)
