@@ -3,8 +3,11 @@ megatron/core/datasets/indexed_dataset.py) read back identically; jaxtrain's wri
 same bytes; a store exported with --megatron reads back as the store; corrupt files are refused."""
 from __future__ import annotations
 
+import os
 import pathlib
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -145,3 +148,17 @@ def test_vocabulary_check_caches_the_max_id(tmp_path, rng):
         assert open_source(prefix).max_token_id == top
     finally:
         megatron._CHUNK = original
+
+
+def test_a_dead_writers_temporaries_are_removed(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = [tmp_path / f"corpus.{part}.tmp-{int(dead.stdout)}" for part in ("bin", "lengths", "docs")]
+    for path in stale:
+        path.write_bytes(b"partial")
+    mine = tmp_path / f"corpus.bin.tmp-{os.getpid()}x"  # not a pid: left alone
+    mine.write_bytes(b"")
+    writer = MegatronWriter(tmp_path / "corpus")
+    writer.add_document([1, 2, 3])
+    writer.commit()
+    assert not any(p.exists() for p in stale) and mine.exists()
+    assert source_documents(open_source(tmp_path / "corpus")) == [[1, 2, 3]]

@@ -178,6 +178,7 @@ class MegatronWriter:
         code_of(self.dtype)
         self._tmp = f".tmp-{os.getpid()}"
         pathlib.Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(pathlib.Path(self.prefix))
         self._bin = open(f"{self.prefix}.bin{self._tmp}", "wb")
         self._lengths = open(f"{self.prefix}.lengths{self._tmp}", "wb")  # int32 per sequence
         self._doc_ends = open(f"{self.prefix}.docs{self._tmp}", "wb")  # int64 per document
@@ -241,6 +242,16 @@ class MegatronWriter:
             handle.close()
         for suffix in (".bin", ".idx", ".lengths", ".docs"):
             pathlib.Path(f"{self.prefix}{suffix}{self._tmp}").unlink(missing_ok=True)
+
+
+def _remove_stale_temporaries(prefix: pathlib.Path) -> None:
+    """Delete the `prefix.<part>.tmp-<pid>` files of writers that died (a killed prepare)."""
+    from jaxtrain.data.store.store_writer import pid_alive
+
+    for stale in prefix.parent.glob(f"{prefix.name}.*.tmp-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            stale.unlink(missing_ok=True)
 
 
 def _copy(path: str, out) -> None:

@@ -25,7 +25,7 @@ def fsync_path(path: pathlib.Path) -> None:
         os.close(fd)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -40,7 +40,7 @@ def remove_stale_temporaries(final: pathlib.Path) -> list[pathlib.Path]:
     removed = []
     for stale in final.parent.glob(f"{final.name}.tmp-*"):
         pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
             removed.append(stale)
     return removed
