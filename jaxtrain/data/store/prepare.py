@@ -121,6 +121,8 @@ def prepare(
     workers = (os.cpu_count() or 1) if workers is None else workers
     if workers < 1:
         raise DataInputError(f"--workers must be at least 1, got {workers}")
+    if batch_documents < 1:
+        raise DataInputError(f"--batch_documents must be at least 1, got {batch_documents}")
     paths = documents.expand_inputs(inputs)
     for path in paths:
         documents.check_input(path, data_format, text_field)
