@@ -128,8 +128,23 @@ class DeepSeekBlock(nnx.Module):
 
     def __call__(self, x, positions, segment_ids):
         x = add_residual(x, self.attn(layer_input(self.attn_norm(x)), positions, segment_ids))
+        return self._feed_forward(x)
+
+    def _feed_forward(self, x):
         h = layer_input(self.mlp_norm(x))
         if self.moe is None:
             return add_residual(x, self.mlp(h)), {}
-        y, stats = self.moe(h)
+        y, stats = self.moe(h)  # decode routes its b x 1 tokens as training routes b x l
         return add_residual(x, y), {"moe": stats}
+
+    # -- generation (models/layers/decode_cache.py): the attention's latent cache is the block's --
+    def init_cache(self, batch: int, max_len: int, dtype):
+        return self.attn.init_cache(batch, max_len, dtype)
+
+    def prefill(self, x, positions, segment_ids, cache):
+        attended, cache = self.attn.prefill(layer_input(self.attn_norm(x)), positions, segment_ids, cache)
+        return self._feed_forward(add_residual(x, attended))[0], cache
+
+    def decode(self, x, positions, cache, index, valid_from):
+        attended, cache = self.attn.decode(layer_input(self.attn_norm(x)), positions, cache, index, valid_from)
+        return self._feed_forward(add_residual(x, attended))[0], cache

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from meshes.rules import constrain
 from meshes.context_attention import gather_sequence
+from models.layers.attention_core import _MASKED
 from models.layers.attention_impl import AutoAttention
 from models.layers.dense import Dense
 from models.layers.norm import RMSNorm
@@ -77,29 +79,92 @@ class MultiHeadLatentAttention(nnx.Module):
     def _rope(self, x, positions):
         return apply_rope_interleaved(x, positions, self.inv_freq, self.rope_attention_factor)
 
-    def __call__(self, x, positions, segment_ids):
+    def _queries(self, x, positions):
+        """[b, l, h, nope + rope], the rotary part rotated."""
         q = self.q(x) if self.q_lora_rank is None else self.q_up(self.q_norm(self.q_down(x)))
         q = constrain(q, PER_HEAD)
-        q = jnp.concatenate([q[..., :self.nope], self._rope(q[..., self.nope:], positions)], axis=-1)
+        return jnp.concatenate([q[..., :self.nope], self._rope(q[..., self.nope:], positions)], axis=-1)
 
+    def _latent_and_rope_key(self, x, positions):
+        """What the cache keeps per token: the normalized latent [b, l, kv_lora] and the rotated
+        key part shared by all heads [b, l, rope]."""
+        latent = constrain(self.kv_norm(self.kv_down(x)), ("batch", "length", "kv_lora"))
+        k_rope = self._rope(self.k_rope(x)[:, :, None, :], positions)[:, :, 0, :]
+        return latent, constrain(k_rope, ("batch", "length", None))
+
+    def __call__(self, x, positions, segment_ids):
+        return self._forward(x, positions, segment_ids)[0]
+
+    def _forward(self, x, positions, segment_ids):
+        """The training forward; also returns the latent and rotary key it computed (prefill caches them)."""
+        q = self._queries(x, positions)
         # Under context parallelism only the compressed latent and the shared rotary key cross
         # the network (kv_lora + rope values per token); every rank up-projects the whole
         # sequence's keys and values locally instead of receiving per-head ones. Per-device
         # strategies do it a chunk of keys at a time inside the attention, so the whole
         # sequence's per-head keys never exist; the materialized reference up-projects here.
-        latent = constrain(self.kv_norm(self.kv_down(x)), ("batch", "length", "kv_lora"))
-        latent = gather_sequence(latent, ("batch", "length", "kv_lora"))
-        k_rope = self._rope(self.k_rope(x)[:, :, None, :], positions)  # one rotary key for all heads
-        k_rope = gather_sequence(constrain(k_rope, ("batch", "length", None, None)), ("batch", "length", None, None))
+        local_latent, local_k_rope = self._latent_and_rope_key(x, positions)
+        latent = gather_sequence(local_latent, ("batch", "length", "kv_lora"))
+        k_rope = gather_sequence(local_k_rope, ("batch", "length", None))[:, :, None, :]  # one for all heads
         up = self.kv_up
         if self.attention.takes_latent:  # up-projected a chunk at a time inside the attention
             out = self.attention.latent(q, latent.astype(up.dtype), k_rope[:, :, 0, :], up.kernel[...].astype(up.dtype),
                                         segment_ids, nope=self.nope, scale=self.softmax_scale)
-            return self.o(out)
+            return self.o(out), local_latent, local_k_rope
         whole = ("batch", None, "heads", None)  # the sequence whole: keys for every query of this rank
         kv = constrain(up(latent), whole)
         k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
         k_rope = jnp.broadcast_to(k_rope, k_nope.shape[:-1] + k_rope.shape[-1:])
         k = constrain(jnp.concatenate([k_nope, k_rope.astype(k_nope.dtype)], axis=-1), whole)
-        return self.o(self.attention(q, k, v, segment_ids, scale=self.softmax_scale, kv_whole=True,
-                                     kv_head_name="heads"))
+        out = self.attention(q, k, v, segment_ids, scale=self.softmax_scale, kv_whole=True, kv_head_name="heads")
+        return self.o(out), local_latent, local_k_rope
+
+    # -- generation (models/layers/decode_cache.py) ---------------------------------------------
+    def init_cache(self, batch: int, max_len: int, dtype) -> dict:
+        """Per token only the latent and the rotary key: kv_lora + rope values, whatever the heads."""
+        return {"latent": constrain(jnp.zeros((batch, max_len, self.kv_norm.scale.shape[0]), dtype), CACHE_LATENT),
+                "k_rope": constrain(jnp.zeros((batch, max_len, self.k_rope.out_shape[0]), dtype), CACHE_ROPE_KEY)}
+
+    def prefill(self, x, positions, segment_ids, cache):
+        """The training forward over the prompt x [b, P, embed], writing cache entries [0, P)."""
+        out, latent, k_rope = self._forward(x, positions, segment_ids)
+        return out, _write_cache(cache, latent, k_rope, 0)
+
+    def decode(self, x, positions, cache, index, valid_from):
+        """One token x [b, 1, embed] at cache entry `index`, attending to entries [valid_from[b], index].
+
+        The key/value up-projection is absorbed (DeepSeek-V2): the query's position-free part is
+        taken into latent space (q_nope . W_uk), scored against the cached latents directly, and
+        the softmax-weighted latent is expanded by W_uv once per query. Per-head keys and values
+        of the context are never formed: the work per cached token is kv_lora + rope per head.
+        """
+        q = self._queries(x, positions)
+        latent, k_rope = self._latent_and_rope_key(x, positions)
+        cache = _write_cache(cache, latent, k_rope, index)
+        dtype = self.kv_up.dtype
+        w_up = self.kv_up.kernel[...].astype(dtype)  # [kv_lora, h, nope + v]
+        w_uk, w_uv = w_up[..., :self.nope], w_up[..., self.nope:]
+        latents, rope_keys = cache["latent"].astype(dtype), cache["k_rope"].astype(dtype)
+        q_latent = jnp.einsum("bqhn,chn->bqhc", q[..., :self.nope].astype(dtype), w_uk)
+        scores = (jnp.einsum("bqhc,bkc->bhqk", q_latent, latents, preferred_element_type=jnp.float32)
+                  + jnp.einsum("bqhr,bkr->bhqk", q[..., self.nope:].astype(dtype), rope_keys,
+                               preferred_element_type=jnp.float32)) * self.softmax_scale
+        entries = jnp.arange(latents.shape[1])
+        visible = (entries[None, :] >= valid_from[:, None]) & (entries[None, :] <= index)  # [b, max_len]
+        scores = jnp.where(visible[:, None, None, :], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        out_latent = jnp.einsum("bhqk,bkc->bqhc", probs, latents)
+        out = constrain(jnp.einsum("bqhc,chv->bqhv", out_latent, w_uv), PER_HEAD)
+        return self.o(out), cache
+
+
+CACHE_LATENT = ("batch", None, "kv_lora")  # the cache's length stays whole: decode writes one entry anywhere
+CACHE_ROPE_KEY = ("batch", None, None)
+
+
+def _write_cache(cache: dict, latent, k_rope, index) -> dict:
+    """Entries [index, index + l) of both caches, in the cache's dtype."""
+    def write(entries, new, names):
+        return constrain(jax.lax.dynamic_update_slice(entries, new.astype(entries.dtype), (0, index, 0)), names)
+    return {"latent": write(cache["latent"], latent, CACHE_LATENT),
+            "k_rope": write(cache["k_rope"], k_rope, CACHE_ROPE_KEY)}

@@ -1,0 +1,96 @@
+"""Generation with MLA's latent cache (issue 24): prefill + absorbed decode against the training
+forward, the cache holding only latent + rotary key, and no per-head keys for the context."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.layers.attention_impl import BlockwiseAttention, MaterializedAttention
+from models.layers.mla import MultiHeadLatentAttention, mla_softmax_scale
+from models.layers.rope import NoScaling
+
+EMBED, HEADS, KV_LORA, NOPE, ROPE, V = 32, 4, 16, 8, 8, 6
+BATCH, PROMPT, NEW, MAX_LEN = 3, 6, 5, 13  # MAX_LEN > PROMPT + NEW: entries past `index` stay masked
+VALID_FROM = np.array([0, 2, 5], np.int32)  # left padding per row; row 2 has a one-token prompt
+
+
+def build_mla(q_lora_rank, attention, seed=0):
+    scaling = NoScaling()
+    # init_std 0.3: q/k of order one, so a wrong rotary or latent term moves the softmax visibly
+    return MultiHeadLatentAttention(
+        EMBED, HEADS, q_lora_rank=q_lora_rank, kv_lora_rank=KV_LORA, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
+        v_head_dim=V, inv_freq=scaling.inv_freq(ROPE, 10000.0), softmax_scale=mla_softmax_scale(NOPE + ROPE, scaling),
+        rngs=nnx.Rngs(seed), init_std=0.3, dtype=jnp.float32, attention=attention)
+
+
+def left_padded(length):
+    """Segment ids (0 on pads) and positions counting from 0 at each row's first real token."""
+    places = np.arange(length)[None]
+    segment_ids = (places >= VALID_FROM[:, None]).astype(np.int32)
+    return np.maximum(places - VALID_FROM[:, None], 0).astype(np.int32), segment_ids
+
+
+def assert_rel_close(ours, theirs, rel=1e-5):
+    ours, theirs = np.asarray(ours), np.asarray(theirs)
+    assert np.isfinite(ours).all() and np.isfinite(theirs).all()
+    np.testing.assert_allclose(ours, theirs, rtol=rel, atol=rel * np.abs(theirs).max())
+
+
+def generation_fns(mla):
+    graphdef, state = nnx.split(mla)
+    forward = jax.jit(lambda x, pos, seg: nnx.merge(graphdef, state)(x, pos, seg))
+    prefill = jax.jit(lambda x, pos, seg, cache: nnx.merge(graphdef, state).prefill(x, pos, seg, cache))
+    decode = jax.jit(lambda x, pos, cache, index, valid_from:
+                     nnx.merge(graphdef, state).decode(x, pos, cache, index, valid_from), donate_argnums=2)
+    return forward, prefill, decode
+
+
+@pytest.mark.parametrize("q_lora_rank,attention", [(None, BlockwiseAttention()), (12, MaterializedAttention())],
+                         ids=["direct-q-blockwise", "q-lora-materialized"])
+def test_prefill_then_decode_equals_training_forward(q_lora_rank, attention):
+    mla = build_mla(q_lora_rank, attention, seed=1)
+    forward, prefill, decode = generation_fns(mla)
+    total = PROMPT + NEW
+    x = np.random.default_rng(2).standard_normal((BATCH, total, EMBED)).astype(np.float32)
+    positions, segment_ids = left_padded(total)
+    expected = np.asarray(forward(x, positions, segment_ids))
+    real = segment_ids.astype(bool)
+
+    cache = mla.init_cache(BATCH, MAX_LEN, jnp.float32)
+    assert {k: v.shape for k, v in cache.items()} == {"latent": (BATCH, MAX_LEN, KV_LORA),
+                                                      "k_rope": (BATCH, MAX_LEN, ROPE)}
+    out, cache = prefill(x[:, :PROMPT], positions[:, :PROMPT], segment_ids[:, :PROMPT], cache)
+    assert_rel_close(np.asarray(out)[real[:, :PROMPT]], expected[:, :PROMPT][real[:, :PROMPT]])
+    for t in range(PROMPT, total):
+        out, cache = decode(x[:, t:t + 1], positions[:, t:t + 1], cache, jnp.int32(t), VALID_FROM)
+        assert_rel_close(out[:, 0], expected[:, t])
+    assert decode._cache_size() == 1  # one compile for every step
+
+
+def _shapes(jaxpr):
+    """Every intermediate's shape in a jaxpr and the jaxprs nested in its equations."""
+    for eqn in jaxpr.eqns:
+        yield from (v.aval.shape for v in eqn.outvars if hasattr(v.aval, "shape"))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from _shapes(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _shapes(sub)
+
+
+def test_decode_never_forms_per_head_context_keys():
+    """Decode's work over the context is against the latent: no [b, max_len, heads, *] array
+    (nor any other layout of per-head, per-entry values wider than one score) in its program."""
+    mla = build_mla(None, BlockwiseAttention())
+    graphdef, state = nnx.split(mla)
+    cache = mla.init_cache(BATCH, MAX_LEN, jnp.float32)
+    x = jnp.zeros((BATCH, 1, EMBED))
+    jaxpr = jax.make_jaxpr(lambda x, cache: nnx.merge(graphdef, state).decode(
+        x, jnp.zeros((BATCH, 1), jnp.int32), cache, jnp.int32(PROMPT), jnp.asarray(VALID_FROM)))(x, cache)
+    shapes = list(_shapes(jaxpr.jaxpr))
+    assert (BATCH, HEADS, 1, MAX_LEN) in shapes  # the scores: one value per head and entry
+    per_head_context = [s for s in shapes if MAX_LEN in s and HEADS in s
+                        and np.prod(s) > BATCH * MAX_LEN * HEADS]
+    assert not per_head_context, f"decode materializes per-head values over the context: {per_head_context}"
