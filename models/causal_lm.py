@@ -68,6 +68,32 @@ class CausalLM(nnx.Module):
     def __call__(self, tokens, positions=None, segment_ids=None):
         return self.logits(self.hidden(tokens, positions, segment_ids)[0])
 
+    # Generation (models/layers/decode_cache.py): the same pieces, each stack threading its cache.
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32):
+        """{stack name: that stack's cache}, zeros for `batch` rows of up to `max_len` tokens."""
+        return {name: self.stacks[name].init_cache(batch, max_len, dtype) for name in self.stack_order}
+
+    def prefill(self, tokens, positions, segment_ids, cache):
+        """Left-padded prompts tokens [b, P] (pads: segment id 0) -> (logits of each row's last
+        position [b, vocab], the cache with entries [0, P) written)."""
+        x = self.embed_inputs(tokens)
+        cache = dict(cache)
+        for name in self.stack_order:
+            x, cache[name] = self.stacks[name].prefill(x, positions, segment_ids, cache[name])
+        return self._last_logits(x), cache
+
+    def decode(self, tokens, positions, cache, index, valid_from):
+        """One token per row, tokens/positions [b, 1], written at cache entry `index` (the same for
+        every row); a row attends to its entries [valid_from, index] -> (logits [b, vocab], cache)."""
+        x = self.embed_inputs(tokens)
+        cache = dict(cache)
+        for name in self.stack_order:
+            x, cache[name] = self.stacks[name].decode(x, positions, cache[name], index, valid_from)
+        return self._last_logits(x), cache
+
+    def _last_logits(self, x):
+        return self.logits(self.final_norm(x[:, -1:]))[:, 0]
+
 
 # Inside a layer the sequence is split over `length` only: under sequence parallelism (`fsdp_sp`,
 # `dp_sp`) the residual's extra `tensor` split is gathered on the way in and scattered on the way

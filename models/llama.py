@@ -89,6 +89,20 @@ class LlamaBlock(nnx.Module):
         x = add_residual(x, self.mlp(layer_input(self.mlp_norm(x))))
         return x, {}
 
+    # Generation (models/layers/decode_cache.py): the same block, attention through its cache.
+    def init_cache(self, batch: int, max_len: int, dtype):
+        return self.attn.init_cache(batch, max_len, dtype)
+
+    def prefill(self, x, positions, segment_ids, cache):
+        update, cache = self.attn.prefill(layer_input(self.attn_norm(x)), positions, segment_ids, cache)
+        x = add_residual(x, update)
+        return add_residual(x, self.mlp(layer_input(self.mlp_norm(x)))), cache
+
+    def decode(self, x, positions, cache, index, valid_from):
+        update, cache = self.attn.decode(layer_input(self.attn_norm(x)), positions, cache, index, valid_from)
+        x = add_residual(x, update)
+        return add_residual(x, self.mlp(layer_input(self.mlp_norm(x)))), cache
+
 
 def build_llama(cfg: LlamaConfig, rngs: nnx.Rngs) -> CausalLM:
     blocks = LayerStack(lambda r: LlamaBlock(cfg, rngs=r), cfg.layers, rngs=rngs, remat=cfg.remat)

@@ -1,14 +1,32 @@
-"""Grouped-query attention with rotary positions and packed-sequence masking."""
+"""Grouped-query attention with rotary positions and packed-sequence masking, and its key/value
+cache for generation (the contract: models/layers/decode_cache.py)."""
 from __future__ import annotations
 
 import math
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from meshes.rules import constrain
+from models.layers.attention_core import dot_product_attention
 from models.layers.attention_impl import AutoAttention
 from models.layers.dense import Dense
 from models.layers.rope import apply_rope
+
+KV_CACHE = ("batch", None, "kv_heads", None)  # [b, max_len, kv_heads, head_dim], sharded like k/v
+
+
+def write_cache(cache, update, index):
+    """cache [b, max_len, ...] with `update` [b, n, ...] written at entries [index, index + n)."""
+    start = (0, index) + (0,) * (cache.ndim - 2)
+    return jax.lax.dynamic_update_slice(cache, update.astype(cache.dtype), start)
+
+
+def decode_mask(max_len: int, index, valid_from):
+    """[b, 1, max_len]: the one new query of each row sees cache entries [valid_from[b], index]."""
+    entries = jnp.arange(max_len)
+    return ((entries[None, :] >= valid_from[:, None]) & (entries[None, :] <= index))[:, None, :]
 
 
 class GroupedQueryAttention(nnx.Module):
@@ -28,13 +46,39 @@ class GroupedQueryAttention(nnx.Module):
         # static: part of the graph, not state
         self.inv_freq = None if inv_freq is None else tuple(float(f) for f in inv_freq)
         self.scale = 1.0 / math.sqrt(head_dim)
+        self.kv_heads, self.head_dim = kv_heads, head_dim
         self.attention = attention  # static: an implementation strategy (models/layers/attention_impl.py)
 
     def _rope(self, x, positions):
         return x if self.inv_freq is None else apply_rope(x, positions, self.inv_freq)
 
     def __call__(self, x, positions, segment_ids):
+        q, k, v = self._qkv(x, positions)
+        return self.o(self.attention(q, k, v, segment_ids, scale=self.scale))
+
+    def _qkv(self, x, positions):
         q = constrain(self._rope(self.q(x), positions), ("batch", "length", "heads", None))
         k = constrain(self._rope(self.k(x), positions), ("batch", "length", "kv_heads", None))
         v = constrain(self.v(x), ("batch", "length", "kv_heads", None))
-        return self.o(self.attention(q, k, v, segment_ids, scale=self.scale))
+        return q, k, v
+
+    def init_cache(self, batch: int, max_len: int, dtype):
+        zeros = lambda: constrain(jnp.zeros((batch, max_len, self.kv_heads, self.head_dim), dtype), KV_CACHE)
+        return {"k": zeros(), "v": zeros()}
+
+    def prefill(self, x, positions, segment_ids, cache):
+        """The training attention over the prompt; its keys/values fill cache entries [0, P)."""
+        q, k, v = self._qkv(x, positions)
+        out = self.o(self.attention(q, k, v, segment_ids, scale=self.scale))
+        return out, {"k": constrain(write_cache(cache["k"], k, 0), KV_CACHE),
+                     "v": constrain(write_cache(cache["v"], v, 0), KV_CACHE)}
+
+    def decode(self, x, positions, cache, index, valid_from):
+        """One token per row: its key/value go to entry `index`, its query attends to the row's
+        entries [valid_from, index] (a masked softmax over the whole cache: one query is cheap)."""
+        q, k, v = self._qkv(x, positions)
+        cache = {"k": constrain(write_cache(cache["k"], k, index), KV_CACHE),
+                 "v": constrain(write_cache(cache["v"], v, index), KV_CACHE)}
+        mask = decode_mask(cache["k"].shape[1], index, valid_from)
+        out = dot_product_attention(q, cache["k"].astype(q.dtype), cache["v"].astype(v.dtype), mask, scale=self.scale)
+        return self.o(out), cache

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from models.layers.aux_outputs import apply_after_update
@@ -55,6 +56,30 @@ class LayerStack(nnx.Module):
             one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
         x, aux = jax.lax.scan(one_layer, x, state)
         return x, aux  # aux: each leaf stacked per layer
+
+    # Generation (models/layers/decode_cache.py): each layer's cache is sliced out of the stacked
+    # one as a scan input and its update stacked back as a scan output, like the weights.
+    def init_cache(self, batch: int, max_len: int, dtype):
+        one = self.layers.init_cache(batch, max_len, dtype)  # reads only static shapes, no weights
+        return jax.tree.map(lambda c: jnp.broadcast_to(c, (self.num_layers,) + c.shape), one)
+
+    def prefill(self, x, positions, segment_ids, cache):
+        graphdef, state = nnx.split(self.layers)
+
+        def one_layer(carry, xs):
+            layer_state, layer_cache = xs
+            return nnx.merge(graphdef, layer_state).prefill(carry, positions, segment_ids, layer_cache)
+
+        return jax.lax.scan(one_layer, x, (state, cache))
+
+    def decode(self, x, positions, cache, index, valid_from):
+        graphdef, state = nnx.split(self.layers)
+
+        def one_layer(carry, xs):
+            layer_state, layer_cache = xs
+            return nnx.merge(graphdef, layer_state).decode(carry, positions, layer_cache, index, valid_from)
+
+        return jax.lax.scan(one_layer, x, (state, cache))
 
     def after_update(self, aux) -> None:
         """Post-step updates of the layers' typed outputs (models/layers/aux_outputs.py)."""
