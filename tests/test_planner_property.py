@@ -229,3 +229,26 @@ def test_verify_ranks_a_layout_that_exceeds_its_claim_below_the_others(tmp_path,
     assert records[-1]["verified"]["temp_gb"] == 1000.0
     best = out.split("# gin bindings of the best three:")[1].split("# 2")[0]
     assert f'Experiment.layout = "{second}"' in best and first not in best
+
+
+def test_compiled_memory_says_when_xla_replicated_a_value(monkeypatch):
+    """XLA's C++ warning (written to file descriptor 2 while compiling) marks the compiled
+    figures; a compile without it does not. bench_layout is a stub writing what XLA writes."""
+    import os
+
+    import jaxtrain.cli.bench as bench
+    from jaxtrain.planner.candidates import Candidate
+    from jaxtrain.training.parallel_plan import ParallelPlan
+
+    figures = {"argument_gb": 1.0, "temp_gb": 2.0, "compile_s": 0.1}
+
+    def compile_warning(exp, plan, **kw):
+        os.write(2, b"W spmd_partitioner.cc:656] [SPMD] Involuntary full rematerialization. The compiler cannot\n")
+        return figures
+
+    experiment = Experiment(model=LlamaConfig(), train=TRAIN, optimizer=OptimizerConfig())
+    candidate = Candidate(ParallelPlan.parse("data=16,rules=dp"), "none")
+    monkeypatch.setattr(bench, "bench_layout", compile_warning)
+    assert compiled_memory(experiment, candidate) == {**figures, "involuntary_remat": True}
+    monkeypatch.setattr(bench, "bench_layout", lambda exp, plan, **kw: figures)
+    assert compiled_memory(experiment, candidate) == {**figures, "involuntary_remat": False}
