@@ -1,5 +1,7 @@
 """Generation with MLA's latent cache (issue 24): prefill + absorbed decode against the training
 forward, the cache holding only latent + rotary key, and no per-head keys for the context."""
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,3 +96,47 @@ def test_decode_never_forms_per_head_context_keys():
     per_head_context = [s for s in shapes if MAX_LEN in s and HEADS in s
                         and np.prod(s) > BATCH * MAX_LEN * HEADS]
     assert not per_head_context, f"decode materializes per-head values over the context: {per_head_context}"
+
+
+def tiny_deepseek(capacity_factor):
+    from models.deepseek import DeepSeekConfig
+    from models.layers.router import RouterConfig
+    return DeepSeekConfig(embed=EMBED, heads=HEADS, kv_lora_rank=KV_LORA, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
+                          v_head_dim=V, expert_mlp=16, init_std=0.2,
+                          router=RouterConfig(num_experts=8, top_k=2, capacity_factor=capacity_factor))
+
+
+@pytest.mark.parametrize("capacity_factor,mesh_config", [(None, None), (4.0, 4)],
+                         ids=["dropless", "capacity-expert-parallel"])
+def test_moe_block_decodes_batch_times_one_tokens(capacity_factor, mesh_config):
+    """A DeepSeekMoE block routes decode's b x 1 tokens as training routes b x l: with a capacity
+    that drops nothing (cf = experts / top_k, so C = the local tokens) prefill + decode equal the
+    training forward, one device or expert-parallel."""
+    from meshes.mesh import MeshConfig, build_mesh
+    from meshes.rules import get_rule_set, use_rules
+    from models.deepseek import DeepSeekBlock
+    block = DeepSeekBlock(tiny_deepseek(capacity_factor), moe=True, rngs=nnx.Rngs(3))
+    batch, valid_from = 4, np.array([0, 2, 5, 1], np.int32)
+    total = PROMPT + 2
+    places = np.arange(total)[None]
+    segment_ids = (places >= valid_from[:, None]).astype(np.int32)
+    positions = np.maximum(places - valid_from[:, None], 0).astype(np.int32)
+    x = np.random.default_rng(4).standard_normal((batch, total, EMBED)).astype(np.float32)
+    graphdef, state = nnx.split(block)
+    scope = contextlib.nullcontext()
+    if mesh_config:
+        # one decode token per device: each expert's capacity there is ceil(4 x 1 x 2 / 8) = 1 slot
+        mesh = build_mesh(MeshConfig(expert=mesh_config), devices=jax.devices()[:mesh_config])
+        scope = use_rules(mesh, get_rule_set("dp"))
+    with scope:
+        expected = np.asarray(jax.jit(lambda x: nnx.merge(graphdef, state)(x, positions, segment_ids)[0])(x))
+        cache = block.init_cache(batch, MAX_LEN, jnp.float32)
+        out, cache = jax.jit(lambda x, cache: nnx.merge(graphdef, state).prefill(
+            x, positions[:, :PROMPT], segment_ids[:, :PROMPT], cache))(x[:, :PROMPT], cache)
+        real = segment_ids[:, :PROMPT].astype(bool)
+        assert_rel_close(np.asarray(out)[real], expected[:, :PROMPT][real], rel=1e-4)
+        decode = jax.jit(lambda x, pos, cache, index: nnx.merge(graphdef, state).decode(
+            x, pos, cache, index, jnp.asarray(valid_from)))
+        for t in range(PROMPT, total):
+            out, cache = decode(x[:, t:t + 1], positions[:, t:t + 1], cache, jnp.int32(t))
+            assert_rel_close(out[:, 0], expected[:, t], rel=1e-4)
