@@ -65,3 +65,18 @@ def test_prefill_and_decode_logits_equal_the_full_forward(tiny):
     expected = np.stack([full[row, len(p) - 1:len(p) - 1 + NEW_TOKENS] for row, p in enumerate(tiny.prompts)])
     assert np.isfinite(cached).all() and np.isfinite(expected).all()
     np.testing.assert_allclose(cached, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_decode_compiles_once_and_rows_stop_at_their_eos(tiny):
+    engine = Engine(tiny.model, bucket=16)  # its own jitted functions: their compiles counted here
+    free = engine.generate(tiny.prompts, max_new_tokens=NEW_TOKENS)
+    assert engine._decode._cache_size() == 1, "the decode step recompiled during one generation"
+    eos = free[0][4]  # row 0 stops at its 5th token; other rows stop at their first one of it
+    stopped = engine.generate(tiny.prompts, max_new_tokens=NEW_TOKENS, eos_id=eos)
+    assert engine._decode._cache_size() == 1 and engine._prefill._cache_size() == 1
+    for row, tokens in zip(stopped, free):
+        end = tokens.index(eos) + 1 if eos in tokens else NEW_TOKENS
+        assert row == tokens[:end]
+    assert len(stopped[0]) <= 5
+    short = engine.generate(tiny.prompts, max_new_tokens=7)
+    assert short == [tokens[:7] for tokens in free]
