@@ -86,3 +86,17 @@ def forward(model, tokens, mesh=None):
         return np.asarray(run(state, tokens))
     with use_rules(mesh, get_rule_set("dp")):
         return np.asarray(run(state, tokens))
+
+
+def save_tiny_deepseek_v2(directory, *, seed: int = 0, **config) -> str:
+    """A DeepseekV2ForCausalLM (MLA, one dense layer then DeepSeekMoE) with every weight random."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    base = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3, first_k_dense_replace=1,
+                num_attention_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                v_head_dim=8, moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=2,
+                n_shared_experts=1, max_position_embeddings=128)
+    model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**{**base, **config}))
+    return save_randomized(model, directory)

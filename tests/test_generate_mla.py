@@ -140,3 +140,56 @@ def test_moe_block_decodes_batch_times_one_tokens(capacity_factor, mesh_config):
         for t in range(PROMPT, total):
             out, cache = decode(x[:, t:t + 1], positions[:, t:t + 1], cache, jnp.int32(t))
             assert_rel_close(out[:, 0], expected[:, t], rel=1e-4)
+
+
+# ---- a tiny DeepSeek-V2 imported from transformers, through the generation engine ------------
+
+HF_VARIANTS = {
+    "lite_direct_q": dict(q_lora_rank=None),
+    # query LoRA, YaRN with both temperature corrections acting (mscale != mscale_all_dim)
+    "q_lora_yarn": dict(q_lora_rank=12, rope_parameters={"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0,
+                                                         "original_max_position_embeddings": 32, "mscale": 0.8,
+                                                         "mscale_all_dim": 1.0}),
+}
+HF_PROMPT_LENGTHS, HF_NEW_TOKENS = (5, 11, 2), 32
+
+
+@pytest.fixture(scope="module", params=list(HF_VARIANTS))
+def tiny_hf(request, tmp_path_factory):
+    from hf_tiny_models import save_tiny_deepseek_v2
+    from jaxtrain import hf
+    from jaxtrain.generate import Engine
+    directory = save_tiny_deepseek_v2(tmp_path_factory.mktemp(request.param), seed=5, **HF_VARIANTS[request.param])
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(3, 97, n).tolist() for n in HF_PROMPT_LENGTHS]
+    model = hf.load(directory)
+    return dict(dir=directory, model=model, prompts=prompts, engine=Engine(model, bucket=16))
+
+
+def test_deepseek_greedy_equals_transformers_generate(tiny_hf):
+    """Token for token against transformers' generate, and every step's logits against our own
+    full forward over the prompt and the tokens generated before it."""
+    from hf_tiny_models import forward
+    from test_generate import transformers_greedy
+    steps = {}
+    ours = tiny_hf["engine"].generate(tiny_hf["prompts"], max_new_tokens=HF_NEW_TOKENS,
+                                      on_logits=lambda step, logits: steps.__setitem__(step, logits))
+    assert ours == transformers_greedy(tiny_hf["dir"], tiny_hf["prompts"], HF_NEW_TOKENS)
+    assert tiny_hf["engine"]._decode._cache_size() == 1
+    cached = np.stack([steps[s] for s in range(HF_NEW_TOKENS)], axis=1)
+    sequences = [p + r[:-1] for p, r in zip(tiny_hf["prompts"], ours)]
+    tokens = np.zeros((len(sequences), max(map(len, sequences))), np.int32)
+    for row, seq in enumerate(sequences):
+        tokens[row, :len(seq)] = seq  # right-padded: causal, so pads after a position change nothing there
+    full = forward(tiny_hf["model"], tokens)
+    expected = np.stack([full[row, len(p) - 1:len(p) - 1 + HF_NEW_TOKENS]
+                         for row, p in enumerate(tiny_hf["prompts"])])
+    assert_rel_close(cached, expected)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_deepseek_cache_holds_latent_and_rope_key_only(tiny_hf, dtype):
+    model = tiny_hf["model"]
+    cache = jax.eval_shape(lambda: model.init_cache(2, 32, dtype))
+    per_token = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(cache)) / (2 * 32)
+    assert per_token == (KV_LORA + ROPE) * 3 * jnp.dtype(dtype).itemsize  # kv_lora + rope, 3 layers

@@ -72,6 +72,7 @@ class MultiHeadLatentAttention(nnx.Module):
         self.o = Dense((heads, v_head_dim), (embed,), in_axes=("heads", "head_dim"), out_axes=("embed",),
                        use_bias=use_bias, **kw)
         self.q_lora_rank, self.nope = q_lora_rank, qk_nope_head_dim
+        self.kv_lora_rank, self.rope_dim = kv_lora_rank, qk_rope_head_dim  # the cache's widths, static
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: part of the graph, not state
         self.softmax_scale, self.rope_attention_factor = float(softmax_scale), float(rope_attention_factor)
         self.attention = attention  # static: an implementation strategy (models/layers/attention_impl.py)
@@ -122,8 +123,8 @@ class MultiHeadLatentAttention(nnx.Module):
     # -- generation (models/layers/decode_cache.py) ---------------------------------------------
     def init_cache(self, batch: int, max_len: int, dtype) -> dict:
         """Per token only the latent and the rotary key: kv_lora + rope values, whatever the heads."""
-        return {"latent": constrain(jnp.zeros((batch, max_len, self.kv_norm.scale.shape[0]), dtype), CACHE_LATENT),
-                "k_rope": constrain(jnp.zeros((batch, max_len, self.k_rope.out_shape[0]), dtype), CACHE_ROPE_KEY)}
+        return {"latent": constrain(jnp.zeros((batch, max_len, self.kv_lora_rank), dtype), CACHE_LATENT),
+                "k_rope": constrain(jnp.zeros((batch, max_len, self.rope_dim), dtype), CACHE_ROPE_KEY)}
 
     def prefill(self, x, positions, segment_ids, cache):
         """The training forward over the prompt x [b, P, embed], writing cache entries [0, P)."""
