@@ -19,7 +19,8 @@ Names = Sequence[str | None]
 
 def per_shard(fn: Callable, args: Sequence, arg_names: Sequence[Names | None], out_names: Names,
               whole: Sequence[str] = ("length",)):
-    """fn(*args) on every device's shard; `None` names an argument passed whole (or absent)."""
+    """fn(*args) on every device's shard; `None` names an argument passed whole (or absent). A fn
+    returning a tuple names each output: `out_names` is then a tuple of names."""
     active = _ACTIVE.get()
     if active is None:
         return fn(*args)
@@ -28,7 +29,10 @@ def per_shard(fn: Callable, args: Sequence, arg_names: Sequence[Names | None], o
     specs = [None if a is None else PartitionSpec() if n is None else spec_for(n, a.shape, table, mesh)
              for a, n in zip(args, arg_names)]
     out_shape = jax.eval_shape(fn, *args)
-    out_spec = spec_for(out_names, out_shape.shape, table, mesh)
+    if isinstance(out_shape, tuple):  # several outputs: `out_names` names each one
+        out_spec = tuple(spec_for(n, o.shape, table, mesh) for n, o in zip(out_names, out_shape, strict=True))
+    else:
+        out_spec = spec_for(out_names, out_shape.shape, table, mesh)
     placed = [None if a is None else jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s))
               for a, s in zip(args, specs)]
     present = [i for i, a in enumerate(args) if a is not None]

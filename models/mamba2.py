@@ -27,6 +27,18 @@ class Mamba2Block(nnx.Module):
     def __call__(self, x, positions, segment_ids):
         return add_residual(x, self.mixer(layer_input(self.norm(x)), segment_ids)), {}
 
+    # Generation (models/layers/decode_cache.py): the mixer's constant-size state is the cache.
+    def init_cache(self, batch: int, max_len: int, dtype):
+        return self.mixer.init_cache(batch, max_len, dtype)
+
+    def prefill(self, x, positions, segment_ids, cache):
+        update, cache = self.mixer.prefill(layer_input(self.norm(x)), positions, segment_ids, cache)
+        return add_residual(x, update), cache
+
+    def decode(self, x, positions, cache, index, valid_from):
+        update, cache = self.mixer.decode(layer_input(self.norm(x)), positions, cache, index, valid_from)
+        return add_residual(x, update), cache
+
 
 @model_family("mamba2", "pure Mamba-2 language model")
 @dataclasses.dataclass(frozen=True)

@@ -122,6 +122,20 @@ class NemotronHConfig:
         return 6.0 * active + attention + self.count("mamba") * self.ssm.scan_flops_per_token()
 
 
+class Cacheless:
+    """Generation for a layer that keeps nothing between tokens (MLP, MoE): its training forward on
+    the prompt, then on each new token; the aux outputs (MoE routing statistics) are dropped."""
+
+    def init_cache(self, batch: int, max_len: int, dtype):
+        return {}
+
+    def prefill(self, x, positions, segment_ids, cache):
+        return self(x, positions, segment_ids)[0], cache
+
+    def decode(self, x, positions, cache, index, valid_from):
+        return self(x, positions, None)[0], cache
+
+
 class AttentionLayer(nnx.Module):
     def __init__(self, cfg: NemotronHConfig, *, rngs: nnx.Rngs):
         self.norm = RMSNorm(cfg.embed, rngs=rngs, eps=cfg.norm_eps)
@@ -132,8 +146,19 @@ class AttentionLayer(nnx.Module):
     def __call__(self, x, positions, segment_ids):
         return add_residual(x, self.attn(layer_input(self.norm(x)), positions, segment_ids)), {}
 
+    def init_cache(self, batch: int, max_len: int, dtype):
+        return self.attn.init_cache(batch, max_len, dtype)
 
-class MLPLayer(nnx.Module):
+    def prefill(self, x, positions, segment_ids, cache):
+        update, cache = self.attn.prefill(layer_input(self.norm(x)), positions, segment_ids, cache)
+        return add_residual(x, update), cache
+
+    def decode(self, x, positions, cache, index, valid_from):
+        update, cache = self.attn.decode(layer_input(self.norm(x)), positions, cache, index, valid_from)
+        return add_residual(x, update), cache
+
+
+class MLPLayer(Cacheless, nnx.Module):
     def __init__(self, cfg: NemotronHConfig, *, rngs: nnx.Rngs):
         self.norm = RMSNorm(cfg.embed, rngs=rngs, eps=cfg.norm_eps)
         self.mlp = PlainMLP(cfg.embed, cfg.mlp, rngs=rngs, activation=cfg.mlp_activation, use_bias=cfg.mlp_bias,
@@ -143,7 +168,7 @@ class MLPLayer(nnx.Module):
         return add_residual(x, self.mlp(layer_input(self.norm(x)))), {}
 
 
-class MoELayer(nnx.Module):
+class MoELayer(Cacheless, nnx.Module):
     def __init__(self, cfg: NemotronHConfig, *, rngs: nnx.Rngs):
         kw = dict(rngs=rngs, init_std=cfg.init_std, dtype=dtype_from_name(cfg.dtype))
         self.norm = RMSNorm(cfg.embed, rngs=rngs, eps=cfg.norm_eps)

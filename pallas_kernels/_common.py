@@ -44,7 +44,8 @@ def segment_ids(seq_idx):
     later (e.g. [7, 7, 3, 7] is three segments).
     """
     change = (seq_idx[:, 1:] != seq_idx[:, :-1]).astype(jnp.int32)
-    return jnp.concatenate([jnp.zeros_like(change[:, :1]), jnp.cumsum(change, axis=1)], axis=1)
+    # the first id from seq_idx, not from `change`: for a 1-token sequence `change` is empty
+    return jnp.concatenate([jnp.zeros_like(seq_idx[:, :1], jnp.int32), jnp.cumsum(change, axis=1)], axis=1)
 
 
 def triton_params(num_warps: int, num_stages: int):

@@ -32,6 +32,9 @@ from pallas_kernels.ssd_scan import ssd_scan
 
 PER_HEAD = ("batch", "length", "ssm_heads", None)
 PER_GROUP = ("batch", "length", "ssm_groups", None)
+STATE = ("batch", "ssm_heads", None, None)  # the recurrent state [b, heads, head_dim, state]
+WINDOW = {"conv_x": ("batch", None, "ssm_heads", None), "conv_b": ("batch", None, "ssm_groups", None),
+          "conv_c": ("batch", None, "ssm_groups", None)}  # conv caches [b, conv_kernel - 1, heads|groups, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +119,26 @@ class ShortConv(nnx.Module):
                       ("batch", "length", channel))
         return y.reshape(x.shape)
 
+    # Generation (models/layers/decode_cache.py): the conv's cache is its last kernel - 1 inputs.
+    def window(self, x, segment_ids, dtype):
+        """The last kernel - 1 inputs of each left-padded row x [b, P, ...], zero where they are not
+        the row's last segment (pads; before t = 0): what the conv would read for the next token."""
+        k = self.kernel.shape[-1] - 1
+        ours = (segment_ids == segment_ids[:, -1:]).reshape(segment_ids.shape + (1,) * (x.ndim - 2))
+        kept = jnp.where(ours, x, jnp.zeros((), x.dtype)).astype(dtype)
+        padded = jnp.pad(kept, [(0, 0), (max(k - x.shape[1], 0), 0)] + [(0, 0)] * (x.ndim - 2))
+        return padded[:, padded.shape[1] - k:]
+
+    def step(self, window, x):
+        """One new input x [b, 1, ...] against the window [b, kernel - 1, ...]: (silu(conv) [b, 1, ...]
+        in x's dtype, the window shifted by one). The conv is one dot over the kernel's taps."""
+        full = jnp.concatenate([window, x.astype(window.dtype)], axis=1)  # [b, kernel, ...]
+        taps = jnp.moveaxis(self.kernel[...].astype(jnp.float32), -1, 0)  # [kernel, ...channels]
+        z = jnp.einsum("bk...,k...->b...", full.astype(jnp.float32), taps)
+        if self.bias is not None:
+            z = z + self.bias[...].astype(jnp.float32)
+        return jax.nn.silu(z)[:, None].astype(x.dtype), full[:, 1:]
+
 
 def _dt_bias_init(cfg: SSMConfig):
     """softplus^-1 of dt drawn log-uniform in dt_init_range (floored), so softplus(dt_bias)
@@ -162,26 +185,88 @@ class Mamba2Mixer(nnx.Module):
         self.out = Dense((h, p), (embed,), in_axes=("ssm_heads", "ssm_head_dim"), out_axes=("embed",), **kw)
 
     def __call__(self, x, segment_ids):
-        k = self.kernels
+        z, (xs, b, c), dt = self._project(x)
+        xs, b, c = self._conv(xs, b, c, segment_ids)
+        y, _ = self._scan(xs, dt, b, c, segment_ids, final_state=False)
+        return self.out(self.norm(constrain(y, PER_HEAD), z))
+
+    def _project(self, x):
+        """z, the conv inputs (x, B, C) and dt = clamp(softplus(. + dt_bias)) of x [b, l, embed]."""
         z = constrain(self.in_z(x), PER_HEAD)
-        xs = constrain(self.conv_x(constrain(self.in_x(x), PER_HEAD), segment_ids, k), PER_HEAD)
-        b = constrain(self.conv_b(constrain(self.in_b(x), PER_GROUP), segment_ids, k), PER_GROUP)
-        c = constrain(self.conv_c(constrain(self.in_c(x), PER_GROUP), segment_ids, k), PER_GROUP)
+        pre = (constrain(self.in_x(x), PER_HEAD), constrain(self.in_b(x), PER_GROUP),
+               constrain(self.in_c(x), PER_GROUP))
         dt = jax.nn.softplus(self.in_dt(x).astype(jnp.float32) + self.dt_bias[...])
         lo, hi = self.cfg.time_step_limit
-        dt = constrain(jnp.clip(dt, lo, hi), ("batch", "length", "ssm_heads"))
-        y = constrain(self._scan(xs, dt, b, c, segment_ids), PER_HEAD)
-        return self.out(self.norm(y, z))
+        return z, pre, constrain(jnp.clip(dt, lo, hi), ("batch", "length", "ssm_heads"))
 
-    def _scan(self, x, dt, b, c, segment_ids):
-        """The SSD scan (the Pallas kernel on GPU); states restart where segment_ids change."""
+    def _conv(self, xs, b, c, segment_ids):
+        k = self.kernels
+        return (constrain(self.conv_x(xs, segment_ids, k), PER_HEAD),
+                constrain(self.conv_b(b, segment_ids, k), PER_GROUP),
+                constrain(self.conv_c(c, segment_ids, k), PER_GROUP))
+
+    def _scan(self, x, dt, b, c, segment_ids, final_state: bool):
+        """The SSD scan (the Pallas kernel on GPU); states restart where segment_ids change.
+        -> (y, the state after the last token [b, heads, head_dim, state] f32, or None)."""
         def scan(x, dt, a, b, c, d, seg):  # -> (y, final_states)
             return ssd_scan(x, dt, a, b, c, chunk_size=self.cfg.chunk_size, D=d, seq_idx=seg, impl=self.kernels)
 
         a = -jnp.exp(self.A_log[...])
         if context_size() > 1:  # the sequence stays split; states pass between context ranks
-            return context_ssd_scan(scan, x, dt, a, b, c, self.D[...], segment_ids)
+            if final_state:
+                raise ValueError("Mamba-2 prefill under context parallelism is not supported: generate with a "
+                                 "layout whose context axis is 1")
+            return context_ssd_scan(scan, x, dt, a, b, c, self.D[...], segment_ids), None
         heads, groups = ("batch", "length", "ssm_heads", None), ("batch", "length", "ssm_groups", None)
-        return per_shard(lambda *args: scan(*args)[0], (x, dt, a, b, c, self.D[...], segment_ids),
-                         (heads, ("batch", "length", "ssm_heads"), ("ssm_heads",), groups, groups, ("ssm_heads",),
-                          ("batch", "length")), heads)
+        args = (x, dt, a, b, c, self.D[...], segment_ids)
+        names = (heads, ("batch", "length", "ssm_heads"), ("ssm_heads",), groups, groups, ("ssm_heads",),
+                 ("batch", "length"))
+        if final_state:
+            return per_shard(scan, args, names, (heads, STATE))
+        return per_shard(lambda *a: scan(*a)[0], args, names, heads), None
+
+    # Generation (models/layers/decode_cache.py): constant-size cache, whatever max_len.
+    def init_cache(self, batch: int, max_len: int, dtype):
+        """The SSM state (float32: a recurrence accumulates over every generated token) and each
+        conv's last conv_kernel - 1 inputs (in `dtype`). `max_len` changes nothing."""
+        cfg = self.cfg
+        h, p, g, n, w = cfg.heads, cfg.head_dim, cfg.groups, cfg.state, cfg.conv_kernel - 1
+        zeros = lambda shape, names, dt: constrain(jnp.zeros(shape, dt), names)
+        return {"state": zeros((batch, h, p, n), STATE, jnp.float32),
+                "conv_x": zeros((batch, w, h, p), WINDOW["conv_x"], dtype),
+                "conv_b": zeros((batch, w, g, n), WINDOW["conv_b"], dtype),
+                "conv_c": zeros((batch, w, g, n), WINDOW["conv_c"], dtype)}
+
+    def prefill(self, x, positions, segment_ids, cache):
+        """The training forward over the left-padded prompt (pads are segment 0, so the conv window
+        and the state restart at the prompt's first token); its final state and conv inputs fill the cache."""
+        z, (xs, b, c), dt = self._project(x)
+        window = lambda conv, v, key: constrain(conv.window(v, segment_ids, cache[key].dtype), WINDOW[key])
+        new = {"conv_x": window(self.conv_x, xs, "conv_x"), "conv_b": window(self.conv_b, b, "conv_b"),
+               "conv_c": window(self.conv_c, c, "conv_c")}
+        xs, b, c = self._conv(xs, b, c, segment_ids)
+        y, state = self._scan(xs, dt, b, c, segment_ids, final_state=True)
+        new["state"] = constrain(state.astype(jnp.float32), STATE)
+        return self.out(self.norm(constrain(y, PER_HEAD), z)), new
+
+    def decode(self, x, positions, cache, index, valid_from):
+        """One token per row x [b, 1, embed]: one conv window step and one recurrence step,
+        s = exp(dt A) s + dt x (x) B,  y = C . s + D x. Positions, index and valid_from are not
+        needed: the state already holds exactly the row's tokens."""
+        z, (xs, b, c), dt = self._project(x)
+        xs, wx = self.conv_x.step(cache["conv_x"], xs)
+        b, wb = self.conv_b.step(cache["conv_b"], b)
+        c, wc = self.conv_c.step(cache["conv_c"], c)
+        hpg = self.cfg.heads // self.cfg.groups
+        f32 = lambda v: v[:, 0].astype(jnp.float32)
+        x1, dt1 = f32(xs), dt[:, 0]  # [b, h, p], [b, h]
+        b1, c1 = jnp.repeat(f32(b), hpg, axis=1), jnp.repeat(f32(c), hpg, axis=1)  # [b, h, n]
+        decay = jnp.exp(dt1 * -jnp.exp(self.A_log[...]))
+        state = decay[..., None, None] * cache["state"] + (dt1[..., None] * x1)[..., None] * b1[:, :, None, :]
+        state = constrain(state, STATE)
+        y = jnp.einsum("bhpn,bhn->bhp", state, c1) + self.D[...][:, None] * x1
+        y = constrain(y[:, None].astype(xs.dtype), PER_HEAD)
+        new = {"state": state, "conv_x": constrain(wx, WINDOW["conv_x"]), "conv_b": constrain(wb, WINDOW["conv_b"]),
+               "conv_c": constrain(wc, WINDOW["conv_c"])}
+        return self.out(self.norm(y, z)), new
+

@@ -125,6 +125,48 @@ class PatternStack(nnx.Module):
         rows = {kind: np.flatnonzero(kind_ids == k) for k, kind in enumerate(self.kinds)}
         return x, {kind: jax.tree.map(lambda a: a[rows[kind]], per_layer[k]) for k, kind in enumerate(self.kinds)}
 
+    # Generation (models/layers/decode_cache.py): {kind: that kind's caches, stacked on its own
+    # layers axis}. The pattern's scan carries them all; each step slices one layer of every kind's
+    # cache (as it slices the weights), the switch runs the step's kind on its slice and hands the
+    # other slices back unchanged, and every slice is written back where it was read.
+    def init_cache(self, batch: int, max_len: int, dtype):
+        return {kind: self.stack(kind).init_cache(batch, max_len, dtype) for kind in self.kinds}
+
+    def prefill(self, x, positions, segment_ids, cache):
+        return self._with_cache(x, cache, lambda layer, h, c: layer.prefill(h, positions, segment_ids, c))
+
+    def decode(self, x, positions, cache, index, valid_from):
+        return self._with_cache(x, cache, lambda layer, h, c: layer.decode(h, positions, c, index, valid_from))
+
+    def _with_cache(self, x, cache, call):
+        """call(layer, x, layer_cache) -> (x, layer_cache) over the pattern; -> (x, cache)."""
+        split = [nnx.split(self.stack(kind).layers) for kind in self.kinds]
+        graphdefs, stacks = [g for g, _ in split], tuple(s for _, s in split)
+        caches = tuple(cache[kind] for kind in self.kinds)
+
+        def branch(k):
+            def apply(h, weights, layer_caches):
+                h, mine = call(nnx.merge(graphdefs[k], weights[k]), h, layer_caches[k])
+                return h, tuple(mine if j == k else c for j, c in enumerate(layer_caches))
+            return apply
+
+        branches = [branch(k) for k in range(len(stacks))]
+
+        def step(carry, inputs):
+            h, caches = carry
+            kind, read = inputs
+            weights = tuple(layer_of(s, read[k]) for k, s in enumerate(stacks))
+            slices = tuple(jax.tree.map(lambda c, k=k: jax.lax.dynamic_index_in_dim(c, read[k], keepdims=False),
+                                        caches[k]) for k in range(len(stacks)))
+            h, slices = jax.lax.switch(kind, branches, h, weights, slices)
+            caches = tuple(jax.tree.map(lambda c, u, k=k: jax.lax.dynamic_update_index_in_dim(c, u, read[k], 0),
+                                        caches[k], slices[k]) for k in range(len(stacks)))
+            return (h, caches), None
+
+        kind_ids = np.asarray([self.kinds.index(kind) for kind, _ in self.slots], np.int32)
+        (x, caches), _ = jax.lax.scan(step, (x, caches), (kind_ids, read_indices(self.slots, self.kinds)))
+        return x, dict(zip(self.kinds, caches))
+
     def after_update(self, aux) -> None:
         for kind in self.kinds:
             self.stack(kind).after_update(aux.get(kind, {}))
