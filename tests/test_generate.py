@@ -10,7 +10,7 @@ import pytest
 
 from hf_tiny_models import forward, save_tiny_llama
 from jaxtrain import hf
-from jaxtrain.generate import Engine
+from jaxtrain.generate import Engine, Sampling, left_pad
 
 PROMPT_LENGTHS = (5, 11, 3)
 NEW_TOKENS = 32
@@ -80,3 +80,37 @@ def test_decode_compiles_once_and_rows_stop_at_their_eos(tiny):
     assert len(stopped[0]) <= 5
     short = engine.generate(tiny.prompts, max_new_tokens=7)
     assert short == [tokens[:7] for tokens in free]
+
+
+LAYOUTS = {"data=2": dict(data=2), "tensor=2": dict(tensor=2), "data=2,tensor=2": dict(data=2, tensor=2)}
+
+
+@pytest.fixture(scope="module")
+def one_device_outputs(tiny):
+    greedy = tiny.engine.generate(tiny.prompts, max_new_tokens=12)
+    sampled = tiny.engine.generate(tiny.prompts, max_new_tokens=12, sampling=Sampling(0.8, top_k=20, top_p=0.9),
+                                   seed=5)
+    return greedy, sampled
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_generate_the_one_device_tokens(tiny, one_device_outputs, layout):
+    import jax
+
+    from meshes.mesh import MeshConfig, build_mesh
+    from meshes.rules import get_rule_set
+
+    sizes = LAYOUTS[layout]
+    mesh = build_mesh(MeshConfig(**sizes), jax.devices()[:int(np.prod(list(sizes.values())))])
+    engine = Engine(hf.load(tiny.dir, mesh=mesh), mesh=mesh, rules=get_rule_set("dp"), bucket=16)
+    greedy, sampled = one_device_outputs
+    assert engine.generate(tiny.prompts, max_new_tokens=12) == greedy
+    assert engine.generate(tiny.prompts, max_new_tokens=12, sampling=Sampling(0.8, top_k=20, top_p=0.9),
+                           seed=5) == sampled
+    # the cache is sharded like the weights: kv_heads over tensor, batch over data
+    with engine._rules():
+        padded = left_pad(tiny.prompts + [[0]], 16)
+        _, _, cache = engine._prefill(engine.state, padded.tokens, padded.positions, padded.segment_ids,
+                                      jax.random.key(0), max_len=32, sampling=Sampling())
+    spec = tuple(cache["blocks"]["k"].sharding.spec) + (None,) * 5  # [layers, b, max_len, kv_heads, head_dim]
+    assert spec[:5] == (None, "data" if "data" in sizes else None, None, "tensor" if "tensor" in sizes else None, None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Callable, Iterator, Sequence
 
 import jax
@@ -74,6 +75,12 @@ class Engine:
     def _rules(self):
         return use_rules(self.mesh, self.rules) if self.mesh is not None else contextlib.nullcontext()
 
+    def batch_multiple(self) -> int:
+        """How many ways the rule table splits `batch` on this mesh (1 without a mesh)."""
+        if self.mesh is None:
+            return 1
+        return math.prod(self.mesh.shape[a] for a in self.rules.activations.get("batch", ()) if a in self.mesh.shape)
+
     def _prefill_fn(self, state, tokens, positions, segment_ids, key, *, max_len: int, sampling: Sampling):
         model = nnx.merge(self.graphdef, state)
         cache = model.init_cache(tokens.shape[0], max_len, self.cache_dtype)
@@ -94,9 +101,13 @@ class Engine:
         check_prompts(prompts, max_new_tokens, None)
         length = round_up(max(len(p) for p in prompts), self.bucket)
         max_len = round_up(length + max_new_tokens - 1, self.bucket)
+        rows = len(prompts)
+        # filler rows (one pad token each) so that the batch divides the mesh's batch split
+        prompts = list(prompts) + [[pad_id]] * (round_up(rows, self.batch_multiple()) - rows)
         padded = left_pad(prompts, length, pad_id)
         root = jax.random.key(seed)
         done = np.zeros(len(prompts), bool)
+        done[rows:] = True
         with self._rules():
             tokens, logits, cache = self._prefill(self.state, padded.tokens, padded.positions, padded.segment_ids,
                                                   jax.random.fold_in(root, 0), max_len=max_len, sampling=sampling)
@@ -109,7 +120,7 @@ class Engine:
                 if on_logits is not None:
                     on_logits(step, np.asarray(logits))
                 out = np.where(done, -1, np.asarray(tokens))
-                yield out
+                yield out[:rows]
                 if eos_id is not None:
                     done |= out == eos_id
                 if done.all():
