@@ -200,3 +200,26 @@ def test_deepseek_cache_holds_latent_and_rope_key_only(tiny_hf, dtype):
     cache = jax.eval_shape(lambda: model.init_cache(2, 32, dtype))
     per_token = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(cache)) / (2 * 32)
     assert per_token == (KV_LORA + ROPE) * 3 * jnp.dtype(dtype).itemsize  # kv_lora + rope, 3 layers
+
+
+@pytest.mark.parametrize("tiny_hf", ["q_lora_yarn"], indirect=True)
+def test_deepseek_on_data2_tensor2_generates_the_one_device_tokens(tiny_hf):
+    """Heads split over tensor, rows over data: the same greedy tokens; the latent cache splits its
+    rows over data and is whole on each tensor rank (it has no heads to split)."""
+    from jaxtrain import hf
+    from jaxtrain.generate import Engine
+    from jaxtrain.generate.engine import left_pad
+    from jaxtrain.generate.sampling import Sampling
+    from meshes.mesh import MeshConfig, build_mesh
+    from meshes.rules import get_rule_set
+    one_device = tiny_hf["engine"].generate(tiny_hf["prompts"], max_new_tokens=12)
+    mesh = build_mesh(MeshConfig(data=2, tensor=2), jax.devices()[:4])
+    engine = Engine(hf.load(tiny_hf["dir"], mesh=mesh), mesh=mesh, rules=get_rule_set("dp"), bucket=16)
+    assert engine.generate(tiny_hf["prompts"], max_new_tokens=12) == one_device
+    with engine._rules():
+        padded = left_pad(tiny_hf["prompts"] + [[0]], 16)
+        _, _, cache = engine._prefill(engine.state, padded.tokens, padded.positions, padded.segment_ids,
+                                      jax.random.key(0), max_len=32, sampling=Sampling())
+    for name in ("latent", "k_rope"):  # [layers, b, max_len, width]
+        spec = tuple(cache["moe_blocks"][name].sharding.spec) + (None,) * 4
+        assert spec[:4] == (None, "data", None, None), (name, spec)
