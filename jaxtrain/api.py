@@ -8,6 +8,7 @@
     metrics = run.step({"inputs": x, "targets": y})      # numpy [global_batch, seq_len]
     run.evaluate({"inputs": x, "targets": y})            # {"loss", "accuracy", "tokens"}
     run.save("/tmp/ckpt"); run.restore("/tmp/ckpt")      # canonical checkpoints, any layout
+    run.generate([[5, 17, 3]], max_new_tokens=16)        # new token ids per prompt (greedy)
 
 A batch is a dict of [global_batch, seq_len] arrays: `inputs` and `targets` (token ids), and
 optionally `positions` (default 0..L-1 per row), `segment_ids` (packed documents; default one
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jaxtrain.checkpoints.checkpointer import Checkpointer
 from jaxtrain.training.config import TrainConfig
@@ -39,6 +41,7 @@ from jaxtrain.training.train_setup import TrainSetup, build_train_setup
 class Run:
     def __init__(self, setup: TrainSetup, state: dict, train: TrainConfig):
         self.setup, self.state, self.train = setup, state, train
+        self._engine = None  # generation's compiled functions (built on the first `generate`)
 
     @classmethod
     def create(cls, model, plan: ParallelPlan | str = "", *, train: TrainConfig = TrainConfig(),
@@ -81,6 +84,37 @@ class Run:
     def params(self) -> dict:
         """The parameters in the canonical layout (layer stacks; what checkpoints hold)."""
         return self.setup.state.to_disk({"params": self.state["params"]})["params"]
+
+    # -- generation ----------------------------------------------------------------------------
+    def generate(self, prompts, *, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, eos_id: int | None = None, tokenizer=None):
+        """New tokens for each prompt (lists of token ids; or strings, encoded and the results
+        decoded by `tokenizer`), from the current parameters on this run's mesh: greedy by default,
+        a row stops at `eos_id` (default: the tokenizer's) or after `max_new_tokens`
+        (jaxtrain/generate/engine.py)."""
+        from jaxtrain.generate.engine import check_prompts
+        from jaxtrain.generate.loading import Loaded, canonical_model
+        from jaxtrain.generate.sampling import Sampling
+
+        sampling = Sampling(temperature, top_k, top_p)
+        texts = any(isinstance(p, str) for p in prompts)
+        if texts and tokenizer is None:
+            raise ValueError("text prompts need a tokenizer (Run.generate(..., tokenizer=...)); or pass token ids")
+        ids = [tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+        check_prompts(ids, max_new_tokens, None)
+        vocab = self.setup.state.model_cfg.vocab_size
+        if any(not 0 <= t < vocab for p in ids for t in p):
+            raise ValueError(f"prompt token ids must be in [0, vocab_size={vocab})")
+        if eos_id is None and tokenizer is not None:
+            eos_id = tokenizer.eos_id
+        if self._engine is None:  # built once: its compiled prefill/decode are reused by later calls
+            model = canonical_model(self.setup.state.model_cfg, self.params)
+            self._engine = Loaded(model, self.setup.mesh, self.setup.rules, tokenizer, None).engine()
+        else:  # the same compiled functions, today's parameters
+            self._engine.state = nnx.state(canonical_model(self.setup.state.model_cfg, self.params))
+        out = self._engine.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_id=eos_id,
+                                    pad_id=getattr(tokenizer, "pad_id", 0))
+        return [tokenizer.decode(new) for new in out] if texts else out
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save(self, directory: str) -> int:

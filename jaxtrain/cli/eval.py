@@ -31,6 +31,29 @@ def evaluate_stream(setup, params, stream, *, seq_len: int, stride: int, batch_s
     return {"loss": loss, "perplexity": math.exp(min(loss, 80.0)), "tokens": int(tokens)}
 
 
+def restore_latest_params(setup, workdir: str, allow_unverified: bool):
+    """(step, params) of the newest intact checkpoint in workdir/checkpoints, params in the
+    canonical (on-disk) layout on `setup`'s mesh; exits 2 (no checkpoint, another model's) or
+    with the checkpoint exit code. Shared by eval and generate."""
+    from jaxtrain.checkpoints.checkpointer import CheckpointError, Checkpointer, IncompatibleCheckpoint
+    from jaxtrain.resilience import exit_codes
+
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"))
+    try:
+        if checkpointer.latest_step() is None:
+            fail(f"no checkpoint in {workdir}/checkpoints")
+        try:  # the newest intact step (a corrupt newer one is reported and skipped, not moved)
+            step, restored, _ = checkpointer.restore_latest({"params": setup.state.disk_abstract["params"]},
+                                                            quarantine=False, allow_unverified=allow_unverified)
+        except IncompatibleCheckpoint as e:  # written for another model: a config error, like a bad flag
+            fail(str(e))
+        except CheckpointError as e:
+            fail(str(e), code=exit_codes.CHECKPOINT)
+    finally:
+        checkpointer.close()
+    return step, restored["params"]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxtrain.eval", description=__doc__)
     add_common_flags(parser)
@@ -53,11 +76,9 @@ def main(argv=None) -> int:
 
     import jax
 
-    from jaxtrain.checkpoints.checkpointer import CheckpointError, Checkpointer, IncompatibleCheckpoint
     from jaxtrain.training.config import load_experiment
     from jaxtrain.data.packing import tokenize_text_stream
     from jaxtrain.training.parallel_plan import ParallelPlan
-    from jaxtrain.resilience import exit_codes
     from jaxtrain.data.tokenizer import load_tokenizer
     from jaxtrain.training.device_groups import split_devices
     from jaxtrain.training.train_setup import build_train_setup
@@ -74,24 +95,12 @@ def main(argv=None) -> int:
         setup = build_train_setup(exp.model, plan,
                                   dataclasses.replace(exp.train, seq_len=seq_len, global_batch=batch_size),
                                   exp.optimizer, devices)
-        checkpointer = Checkpointer(os.path.join(args.workdir, "checkpoints"))
-        step = checkpointer.latest_step()
-        if step is None:
-            fail(f"no checkpoint in {args.workdir}/checkpoints")
         tokenizer = load_tokenizer(exp.data.tokenizer)
         stream = tokenize_text_stream(args.data, tokenizer)
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
-    try:  # the newest intact step (a corrupt newer one is reported and skipped, not moved)
-        step, restored, _ = checkpointer.restore_latest({"params": setup.state.disk_abstract["params"]},
-                                                        quarantine=False,
-                                                        allow_unverified=exp.train.allow_unverified_restore)
-    except IncompatibleCheckpoint as e:  # written for another model: a config error, like a bad flag
-        fail(str(e))
-    except CheckpointError as e:
-        fail(str(e), code=exit_codes.CHECKPOINT)
-    params = setup.state.from_disk({"params": restored["params"]})["params"]
-    checkpointer.close()
+    step, disk_params = restore_latest_params(setup, args.workdir, exp.train.allow_unverified_restore)
+    params = setup.state.from_disk({"params": disk_params})["params"]
     result = evaluate_stream(setup, params, stream, seq_len=seq_len, stride=args.stride or max(seq_len // 2, 1),
                              batch_size=batch_size, pad_id=tokenizer.pad_id)
     print(json.dumps({"checkpoint_step": step, "data": args.data, **result}), flush=True)

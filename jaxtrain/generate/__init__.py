@@ -1,5 +1,16 @@
-"""Text generation: prefill + cached decode (engine.py), sampling (sampling.py), the CLI (cli.py)."""
-from jaxtrain.generate.engine import Engine, left_pad
-from jaxtrain.generate.sampling import Sampling, filter_logits, sample
+"""Text generation: prefill + cached decode (engine.py), sampling (sampling.py), loading a model
+from an HF directory or a workdir (loading.py); the program is jaxtrain/cli/generate.py.
 
-__all__ = ["Engine", "Sampling", "filter_logits", "left_pad", "sample"]
+Names load lazily so that `python -m jaxtrain.generate` can size the CPU devices before jax starts.
+"""
+import importlib
+
+_NAMES = {"Engine": "engine", "left_pad": "engine", "Sampling": "sampling", "filter_logits": "sampling",
+          "sample": "sampling"}
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name):
+    if name not in _NAMES:
+        raise AttributeError(f"module 'jaxtrain.generate' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"jaxtrain.generate.{_NAMES[name]}"), name)
