@@ -223,3 +223,18 @@ def test_deepseek_on_data2_tensor2_generates_the_one_device_tokens(tiny_hf):
     for name in ("latent", "k_rope"):  # [layers, b, max_len, width]
         spec = tuple(cache["moe_blocks"][name].sharding.spec) + (None,) * 4
         assert spec[:4] == (None, "data", None, None), (name, spec)
+
+
+@pytest.mark.parametrize("tiny_hf", ["lite_direct_q"], indirect=True)
+def test_deepseek_decode_step_forms_no_per_head_context_keys(tiny_hf):
+    """The whole model's decode step (every layer, both stacks, sampling) as the engine jits it."""
+    from jaxtrain.generate.sampling import Sampling
+    engine, batch, max_len = tiny_hf["engine"], 3, 48  # 48: no other width of the tiny model
+    cache = jax.eval_shape(lambda: tiny_hf["model"].init_cache(batch, max_len, jnp.float32))
+    jaxpr = jax.make_jaxpr(lambda state, cache: engine._decode_fn(
+        state, cache, jnp.zeros(batch, jnp.int32), jnp.int32(20), jnp.zeros(batch, jnp.int32), jax.random.key(0),
+        sampling=Sampling()))(engine.state, cache)
+    shapes = list(_shapes(jaxpr.jaxpr))
+    assert (batch, HEADS, 1, max_len) in shapes
+    per_head_context = [s for s in shapes if max_len in s and HEADS in s and np.prod(s) > batch * max_len * HEADS]
+    assert not per_head_context, f"decode materializes per-head values over the context: {per_head_context}"
