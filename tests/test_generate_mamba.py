@@ -68,29 +68,31 @@ def test_prefill_then_decode_equals_training_forward(run):
 
 
 def test_prefilled_state_and_windows_equal_a_float64_recurrence(mixer, run):
-    """Each row's real tokens alone through the projections and conv, then the recurrence
-    s = exp(dt A) s + dt x (x) B in float64 numpy: the prefill's state (pads restart nothing into it)."""
+    """The recurrence s = exp(dt A) s + dt x (x) B in float64 numpy over each row's real prompt
+    tokens only (inputs from the training projections and segment-aware conv): the prefill's state.
+    The conv windows: the last conv_kernel - 1 raw inputs, zeros before the row's first token."""
     cache = run.caches[0]
+    x, seg = run.x[:, :PROMPT], jnp.asarray(run.seg[:, :PROMPT])
+
+    @jax.jit
+    def inputs(x, seg):
+        _, pre, dt = mixer._project(x)
+        return pre[0], mixer._conv(*pre, seg), dt
+
+    raw, (xs, b, c), dt = jax.tree.map(lambda v: np.asarray(v, np.float64), inputs(x, seg))
     a = -np.exp(np.asarray(mixer.A_log[...], np.float64))
     hpg = CFG.heads // CFG.groups
     for row, start in enumerate(VALID_FROM):
-        x = run.x[row:row + 1, start:PROMPT]
-        ones = jnp.ones(x.shape[:2], jnp.int32)
-        _, pre, dt = mixer._project(x)
-        xs, b, c = (np.asarray(v[0], np.float64) for v in mixer._conv(*pre, ones))
-        dt = np.asarray(dt[0], np.float64)
         s = np.zeros((CFG.heads, CFG.head_dim, CFG.state))
-        for t in range(x.shape[1]):
-            bt = np.repeat(b[t], hpg, axis=0)  # [heads, state]
-            s = np.exp(dt[t] * a)[:, None, None] * s + (dt[t][:, None] * xs[t])[:, :, None] * bt[:, None, :]
+        for t in range(start, PROMPT):
+            bt = np.repeat(b[row, t], hpg, axis=0)  # [heads, state]
+            s = np.exp(dt[row, t] * a)[:, None, None] * s + (dt[row, t][:, None] * xs[row, t])[..., None] * bt[:, None]
         got = np.asarray(cache["state"][row])
-        assert np.isfinite(got).all()
+        assert np.isfinite(got).all() and np.abs(s).max() > 0
         np.testing.assert_allclose(got, s, rtol=1e-5, atol=1e-6 * np.abs(s).max())
-        # the conv window: the last conv_kernel - 1 raw inputs, zeros before the row's first token
-        raw = np.asarray(pre[0][0])
-        want = np.zeros((CFG.conv_kernel - 1,) + raw.shape[1:])
-        tail = raw[-(CFG.conv_kernel - 1):]
-        want[want.shape[0] - len(tail):] = tail
+        want = np.zeros((CFG.conv_kernel - 1,) + raw.shape[2:])
+        tail = raw[row, max(start, PROMPT - len(want)):]
+        want[len(want) - len(tail):] = tail
         np.testing.assert_allclose(np.asarray(cache["conv_x"][row]), want, rtol=1e-6, atol=1e-7)
 
 
@@ -108,34 +110,79 @@ def test_cache_is_constant_size_whatever_max_len(mixer, run):
 
 # ---- whole models imported from transformers ---------------------------------------------------
 
-PROMPT_LENGTHS = (5, 9, 2)
+PROMPT_LENGTHS = (5, 9, 2, 12)
 NEW_TOKENS = 16
 
 
-def _imported(family, directory):
+@pytest.fixture(scope="module", params=["mamba2", "nemotron_h"])
+def imported(request, tmp_path_factory):
+    """A tiny random transformers model of the family, imported; one greedy generation with the
+    logits of every step."""
     from hf_tiny_models import save_tiny_mamba2, save_tiny_nemotron_h
     from jaxtrain import hf
     from jaxtrain.generate import Engine
 
-    save = {"mamba2": save_tiny_mamba2, "nemotron_h": save_tiny_nemotron_h}[family]
-    directory = save(directory, seed=5)
+    save = {"mamba2": save_tiny_mamba2, "nemotron_h": save_tiny_nemotron_h}[request.param]
+    directory = save(tmp_path_factory.mktemp(request.param), seed=5)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 96, n).tolist() for n in PROMPT_LENGTHS]
     model = hf.load(directory)
-    return types.SimpleNamespace(dir=directory, model=model, prompts=prompts, engine=Engine(model, bucket=16))
+    steps = {}
+    rows = Engine(model, bucket=16).generate(prompts, max_new_tokens=NEW_TOKENS,
+                                             on_logits=lambda step, logits: steps.__setitem__(step, logits))
+    return types.SimpleNamespace(family=request.param, dir=directory, model=model, prompts=prompts, rows=rows,
+                                 logits=np.stack([steps[s] for s in range(NEW_TOKENS)], axis=1))
 
 
-@pytest.mark.parametrize("family", ["mamba2", "nemotron_h"])
-def test_greedy_equals_transformers_generate(family, tmp_path):
+def test_greedy_equals_transformers_generate(imported):
     from test_generate import transformers_greedy
 
-    case = _imported(family, tmp_path)
-    ours = case.engine.generate(case.prompts, max_new_tokens=NEW_TOKENS)
-    theirs = transformers_greedy(case.dir, case.prompts, NEW_TOKENS)
-    assert ours == theirs
-    # the caches: a Mamba layer's is the same at any max_len, an attention layer's grows with it
-    sizes = {m: jax.eval_shape(lambda m=m: case.model.init_cache(2, m, jnp.float32))["blocks"] for m in (32, 512)}
-    mamba = (lambda c: c) if family == "mamba2" else (lambda c: c["mamba"])
-    assert mamba(sizes[32]) == mamba(sizes[512])
-    if family == "nemotron_h":
-        assert [sizes[m]["attention"]["k"].shape[2] for m in (32, 512)] == [32, 512]
+    assert imported.rows == transformers_greedy(imported.dir, imported.prompts, NEW_TOKENS)
+
+
+def test_decode_logits_equal_the_full_forward(imported):
+    """Step s's logits are the full training forward's at the prompt's last token + s."""
+    from hf_tiny_models import forward
+
+    # right-padded to one length, so one compile (causal: what follows a position changes nothing there)
+    sequences = [p + r[:-1] for p, r in zip(imported.prompts, imported.rows)]
+    tokens = np.zeros((len(sequences), max(map(len, sequences))), np.int32)
+    for row, seq in enumerate(sequences):
+        tokens[row, :len(seq)] = seq
+    full = forward(imported.model, tokens)
+    expected = np.stack([full[row, len(p) - 1:len(p) - 1 + NEW_TOKENS] for row, p in enumerate(imported.prompts)])
+    assert np.isfinite(imported.logits).all() and np.isfinite(expected).all()
+    np.testing.assert_allclose(imported.logits, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_cache_sizes_per_kind(imported):
+    """A Mamba layer's cache is the same at any max_len; an attention layer's grows with it."""
+    sizes = {m: jax.eval_shape(lambda m=m: imported.model.init_cache(2, m, jnp.float32))["blocks"]
+             for m in (32, 4096)}
+    mamba = (lambda c: c) if imported.family == "mamba2" else (lambda c: c["mamba"])
+    assert mamba(sizes[32]) == mamba(sizes[4096])
+    if imported.family == "nemotron_h":
+        assert [sizes[m]["attention"]["k"].shape[2] for m in (32, 4096)] == [32, 4096]
+
+
+def test_hybrid_on_data2_tensor2_generates_the_one_device_tokens(imported):
+    """Nemotron-H under data=2 x tensor=2: the same greedy tokens; the Mamba state split over
+    `tensor` on its heads and over `data` on the batch, like the weights and activations."""
+    if imported.family != "nemotron_h":
+        pytest.skip("the hybrid covers the Mamba layers and the pattern's cache threading")
+    from jaxtrain import hf
+    from jaxtrain.generate import Engine
+    from jaxtrain.generate.engine import left_pad
+    from jaxtrain.generate.sampling import Sampling
+    from meshes.mesh import MeshConfig, build_mesh
+    from meshes.rules import get_rule_set
+
+    mesh = build_mesh(MeshConfig(data=2, tensor=2), jax.devices()[:4])
+    engine = Engine(hf.load(imported.dir, mesh=mesh), mesh=mesh, rules=get_rule_set("dp"), bucket=16)
+    assert engine.generate(imported.prompts, max_new_tokens=NEW_TOKENS) == imported.rows
+    with engine._rules():
+        padded = left_pad(imported.prompts, 16)
+        _, _, cache = engine._prefill(engine.state, padded.tokens, padded.positions, padded.segment_ids,
+                                      jax.random.key(0), max_len=32, sampling=Sampling())
+    state = cache["blocks"]["mamba"]["state"]  # [layers, b, heads, head_dim, state]
+    assert tuple(state.sharding.spec)[:3] == (None, "data", "tensor")
