@@ -144,3 +144,22 @@ def test_every_bundled_config_loads_from_any_working_directory(tmp_path):
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("loaded") == len(BUNDLED) >= 10
+
+
+def test_generate_cli_from_a_workdir_on_two_layouts(trained, tmp_path):
+    """The newest checkpoint restored as eval restores it; the run's layout (data=8) and one device
+    give the same greedy tokens, and the text printed is those tokens decoded."""
+    workdir, _ = trained
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "A paragraph"}) + "\n" + json.dumps("Heading =") + "\n")
+    outputs = []
+    for layout in ([], ["--layout=data=1"]):
+        proc = subprocess.run([sys.executable, "-m", "jaxtrain.generate", f"--workdir={workdir}",
+                               f"--prompts={prompts}", "--max_new_tokens=6", *layout],
+                              cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outputs.append([json.loads(line) for line in proc.stdout.strip().splitlines()])
+    assert outputs[0] == outputs[1]
+    from jaxtrain.data.tokenizer import ByteTokenizer
+    for row in outputs[0]:
+        assert 1 <= len(row["tokens"]) <= 6 and row["text"] == ByteTokenizer().decode(row["tokens"])
