@@ -10,6 +10,11 @@ HF fuses the five projections into one `in_proj` and the three convs into one `c
 is its own parameter with logical axes (ssm_heads / ssm_groups), so a rule table can split heads
 and groups over `tensor` like attention heads. The conv and the scan are called in one place
 each (`ShortConv.__call__`, `Mamba2Mixer._scan`), where the Pallas kernels take over on GPU.
+
+Generation (models/layers/decode_cache.py): the cache is the SSM state [b, heads, head_dim, state]
+and each conv's last conv_kernel - 1 inputs, whatever max_len. Prefill is the training forward
+(the scan dispatch returns the final state; left pads are another segment, so the state and the
+conv windows start at the prompt); decode is one window dot per conv and one recurrence step.
 """
 from __future__ import annotations
 
