@@ -105,8 +105,9 @@ def test_layouts_generate_the_one_device_tokens(tiny, one_device_outputs, layout
     engine = Engine(hf.load(tiny.dir, mesh=mesh), mesh=mesh, rules=get_rule_set("dp"), bucket=16)
     greedy, sampled = one_device_outputs
     assert engine.generate(tiny.prompts, max_new_tokens=12) == greedy
-    assert engine.generate(tiny.prompts, max_new_tokens=12, sampling=Sampling(0.8, top_k=20, top_p=0.9),
-                           seed=5) == sampled
+    if layout == "data=2,tensor=2":  # one layout is enough for the seeded draws (a compile each)
+        assert engine.generate(tiny.prompts, max_new_tokens=12, sampling=Sampling(0.8, top_k=20, top_p=0.9),
+                               seed=5) == sampled
     # the cache is sharded like the weights: kv_heads over tensor, batch over data
     with engine._rules():
         padded = left_pad(tiny.prompts + [[0]], 16)
