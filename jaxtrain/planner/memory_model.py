@@ -62,6 +62,12 @@ class Platform:
     # elements per received row, times `exchange_factor` (None: the forward's and backward's
     # buffers, as a recomputed layer).
     exchange_backward: tuple[float, float] | None = None
+    # A MoE layer's backward scatters the gradient of its tokens sorted by expert back to the
+    # token order: [own routed slots, embed] buffers of 4 bytes beyond the traced residuals.
+    # XLA:CPU expands that scatter into a loop holding six (float32 operand, its zeros and their
+    # copy, the sorted rows converted to float32, two uint32 index broadcasts); a GPU scatters in
+    # place (none counted).
+    slot_backward_copies: float = 0.0
 
 
 GPU = Platform("gpu", widen_half=False)
@@ -70,7 +76,7 @@ GPU = Platform("gpu", widen_half=False)
 # row, without remat, 1.2 x embed + 5.56 x hidden float32 values kept per layer and 6.9 x
 # embed + 0.54 x hidden in the layer's backward (/ exchange_factor here).
 CPU = Platform("cpu", widen_half=True, expert_weight_copies=2.5, exchange_factor=3.0,
-               exchange_saved=(1.2, 5.56), exchange_backward=(2.3, 0.18))
+               exchange_saved=(1.2, 5.56), exchange_backward=(2.3, 0.18), slot_backward_copies=6.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +167,19 @@ def exchange_buffers(kind, leaves, sizes: dict[str, int], shape: TokenShape, pro
     return _received_row_bytes(kind, leaves, sizes, shape, profile, platform, copies) * platform.exchange_factor
 
 
+def slot_backward_buffers(kind, leaves, sizes: dict[str, int], shape: TokenShape, profile: ModelProfile,
+                          platform: Platform) -> float:
+    """Bytes of the platform's [own routed slots, embed] 4-byte buffers in one MoE layer's
+    backward (Platform.slot_backward_copies). The slots are the tokens this device routes
+    (1 / EDP of its rows) times top-k; with expert tensor parallelism no axis splits them, so
+    they grow with the tensor size relative to a plain MoE layer."""
+    rows, ep, _ = received_rows(kind, leaves, sizes, shape)
+    if not rows or kind.capacity_factor is not None:
+        return 0.0
+    own_slots = rows / ep
+    return own_slots * profile.embed * F32 * platform.slot_backward_copies
+
+
 def exchange_saved(kind, leaves, sizes: dict[str, int], shape: TokenShape, profile: ModelProfile,
                    platform: Platform, policy: str) -> float:
     """Bytes one MoE layer keeps for its backward pass of the rows its exchange received beyond
@@ -246,7 +265,8 @@ def estimate_memory(profile: ModelProfile, state: StateBytes, *, policy: str, si
         leaves = kind_leaves[kind.kind]
         layer_backward = max(layer_backward, kind.bytes("none", working) + gathered_copies(leaves)
                              + unreduced_gradients(leaves) + exchange_buffers(kind, leaves, sizes, working,
-                                                                               profile, platform, policy))
+                                                                               profile, platform, policy)
+                             + slot_backward_buffers(kind, leaves, sizes, working, profile, platform))
     compute_itemsize = profile.compute_itemsize
     # The LM head (or the tied embedding) cast to the compute dtype for the logits' matmul.
     head_leaves = ([leaf for leaf in other_leaves if leaf.names[-1:] == ("vocab",)]
