@@ -7,6 +7,7 @@ import shutil
 import types
 
 import jax
+import numpy as np
 import pytest
 
 from hf_tiny_models import save_tiny_llama
@@ -107,3 +108,24 @@ def test_run_generate_on_a_mesh_uses_the_current_parameters():
         run.generate([[3, 64]])
     with pytest.raises(ValueError, match="tokenizer"):
         run.generate(["some text"])
+
+
+def test_one_prompt_is_printed_as_it_is_generated(capsys):
+    """Each character is on stdout before the next token is generated (multi-byte characters wait
+    for their last byte)."""
+    from jaxtrain.cli.generate import stream_one
+    from jaxtrain.data.tokenizer import ByteTokenizer
+
+    text = "héllo"
+    seen = []
+
+    class Steps:  # an engine whose steps record what had been printed before each of them
+        def stream(self, prompts, **kwargs):
+            for byte in text.encode():
+                seen.append(capsys.readouterr().out)
+                yield np.array([byte])
+
+    new = stream_one(Steps(), [1], ByteTokenizer())
+    seen.append(capsys.readouterr().out)
+    assert bytes(new).decode() == text
+    assert seen == ["", "h", "", "é", "l", "l", "o\n"]
