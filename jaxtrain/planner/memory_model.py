@@ -11,7 +11,7 @@
                 + the larger of
                     one layer's backward: its residuals without remat (recomputed), its weights
                       gathered by FSDP in float32 and their float32 gradient before the
-                      reduce-scatter
+                      reduce-scatter; a MoE layer's [slots, embed] un-sort buffers (platform)
                     the head: embedding / LM head weights gathered, their gradients, and one
                       loss chunk of float32 logits (logits, softmax, their gradient)
       update    = the new parameters and both new Adam moments, all held until the step knows
@@ -62,11 +62,12 @@ class Platform:
     # elements per received row, times `exchange_factor` (None: the forward's and backward's
     # buffers, as a recomputed layer).
     exchange_backward: tuple[float, float] | None = None
-    # A MoE layer's backward scatters the gradient of its tokens sorted by expert back to the
-    # token order: [own routed slots, embed] buffers of 4 bytes beyond the traced residuals.
-    # XLA:CPU expands that scatter into a loop holding six (float32 operand, its zeros and their
-    # copy, the sorted rows converted to float32, two uint32 index broadcasts); a GPU scatters in
-    # place (none counted).
+    # A MoE layer's backward differentiates the un-sort of its expert outputs to slot order
+    # (meshes/experts.py `per_slot.at[order].set(out)`): [own routed slots, embed] buffers of 4
+    # bytes beyond the traced residuals. XLA:CPU holds six at the peak (JAX's scatter JVP: uint32
+    # slot ids scattered and gathered back, the tangent scatter's float32 operand, its zeros and
+    # their copy, the rows in float32). Not measured on a GPU: none counted there, though the
+    # uint32 ids are JAX's, not the platform's.
     slot_backward_copies: float = 0.0
 
 
