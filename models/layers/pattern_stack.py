@@ -128,7 +128,11 @@ class PatternStack(nnx.Module):
     # Generation (models/layers/decode_cache.py): {kind: that kind's caches, stacked on its own
     # layers axis}. The pattern's scan carries them all; each step slices one layer of every kind's
     # cache (as it slices the weights), the switch runs the step's kind on its slice and hands the
-    # other slices back unchanged, and every slice is written back where it was read.
+    # other slices back unchanged, and every slice is written back where it was read. Cost: each
+    # step copies one layer of every kind's cache, so a growing attention cache is copied at every
+    # layer of the pattern: on CPU, 16 layers with 2 attention layers, batch 4, max_len 65536, a decode
+    # step took 2.26 s, 1.09 s with the pattern unrolled (compile time growing with depth instead);
+    # passing the whole caches through the switch took 2.72 s (XLA copies the conditional's operands).
     def init_cache(self, batch: int, max_len: int, dtype):
         return {kind: self.stack(kind).init_cache(batch, max_len, dtype) for kind in self.kinds}
 
