@@ -108,6 +108,18 @@ def test_cache_is_constant_size_whatever_max_len(mixer, run):
         assert jax.tree.map(lambda a: (a.shape, a.dtype), before) == jax.tree.map(lambda a: (a.shape, a.dtype), after)
 
 
+def test_prefill_under_context_parallelism_is_refused_by_name(mixer):
+    """The context-parallel scan does not return the final state: prefill says so, before compile."""
+    from meshes.mesh import MeshConfig, build_mesh
+    from meshes.rules import get_rule_set, use_rules
+
+    mesh = build_mesh(MeshConfig(context=2), jax.devices()[:2])
+    seg, pos = left_padded(VALID_FROM, 8)
+    x = jnp.zeros((len(VALID_FROM), 8, EMBED), jnp.float32)
+    with use_rules(mesh, get_rule_set("dp")), pytest.raises(ValueError, match="context parallelism"):
+        jax.eval_shape(lambda x: mixer.prefill(x, pos, seg, mixer.init_cache(x.shape[0], 8, jnp.float32)), x)
+
+
 # ---- whole models imported from transformers ---------------------------------------------------
 
 PROMPT_LENGTHS = (5, 9, 2, 12)
