@@ -38,9 +38,14 @@ def transformers_greedy(directory, prompts, new_tokens):
     for row, prompt in enumerate(prompts):
         ids[row, length - len(prompt):] = torch.tensor(prompt)
         mask[row, length - len(prompt):] = 1
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, pad_token_id=0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: torch's thread pool on a loaded 2-core machine costs more
+    try:
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, pad_token_id=0)
+    finally:
+        torch.set_num_threads(threads)
     return out[:, length:].numpy().tolist()
 
 
