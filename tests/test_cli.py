@@ -19,6 +19,11 @@ TINY = [  # keep compiles small; the default config's own size is exercised by `
 ]
 
 
+# greedy samples during training, at the last step: the generate CLI's test reproduces them
+SAMPLES = ["--gin_param=TrainConfig.sample_every=3", "--gin_param=TrainConfig.sample_tokens=6",
+           "--gin_param=TrainConfig.sample_prompts=('A paragraph', 'Heading =')"]
+
+
 def run_cli(args, xla_flags=""):
     env = child_env(xla_flags)
     return subprocess.run([sys.executable, "-m", "jaxtrain.cli.train", *args], cwd=REPO, env=env,
@@ -28,7 +33,7 @@ def run_cli(args, xla_flags=""):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("cli") / "run"
-    proc = run_cli([f"--workdir={workdir}", "--gin_param=TrainConfig.steps=3", *TINY])
+    proc = run_cli([f"--workdir={workdir}", "--gin_param=TrainConfig.steps=3", *TINY, *SAMPLES])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return workdir, proc
 
@@ -66,6 +71,7 @@ def in_process(args, capsys):
     (["LlamaConfig.heads=8", "LlamaConfig.embed=40"], "head_dim=5 must be even"),
     (["TrainConfig.steps=0"], "TrainConfig.steps must be positive"),
     (["TrainConfig.global_batch=-8"], "TrainConfig.global_batch must be positive"),
+    (["TrainConfig.sample_every=2"], "TrainConfig.sample_every is set but sample_prompts is empty"),
     (["TrainConfig.nonexistent=3"], "nonexistent"),
     (["MeshConfig.data=2"], "needs 4 devices but 16 are available"),
     (["TrainConfig.global_batch=6"], "not divisible by the data-parallel size 8"),
@@ -160,6 +166,13 @@ def test_generate_cli_from_a_workdir_on_two_layouts(trained, tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         outputs.append([json.loads(line) for line in proc.stdout.strip().splitlines()])
     assert outputs[0] == outputs[1]
+    # the samples written while training (step 3: the checkpoint's parameters) are the same text
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    samples = [r for r in rows if r["kind"] == "sample"]
+    assert [r["step"] for r in samples] == [3]
+    assert samples[0]["samples"] == [{"prompt": o["prompt"], "text": o["text"]} for o in outputs[0]]
+    events = b"".join(p.read_bytes() for p in (workdir / "tensorboard").iterdir())
+    assert b"samples/0" in events and b"samples/1" in events  # TensorBoard's text tab
     from jaxtrain.data.tokenizer import ByteTokenizer
     for row in outputs[0]:
         assert 1 <= len(row["tokens"]) <= 6 and row["text"] == ByteTokenizer().decode(row["tokens"])

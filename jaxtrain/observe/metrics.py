@@ -79,6 +79,15 @@ class MetricsWriter:
         elif echo:
             print(f"step {step} [{kind}] {summary}", flush=True)
 
+    def write_samples(self, step: int, samples: list[dict]) -> None:
+        """Generated samples ({"prompt", "text"} each): one metrics.jsonl row, TensorBoard text."""
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps({"step": step, "kind": "sample", "samples": samples}) + "\n")
+        self.jsonl.flush()
+        for i, sample in enumerate(samples):
+            self.tb.add_text(f"samples/{i}", f"**{sample['prompt']}**{sample['text']}", step)
+
     def close(self) -> None:
         if not self.enabled:
             return

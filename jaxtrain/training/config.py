@@ -53,6 +53,11 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100  # 0 disables periodic eval (a final eval still runs)
     eval_batches: int = 4
+    # Greedy samples of sample_prompts every sample_every steps (0: none), sample_tokens new tokens
+    # each, to metrics.jsonl (kind "sample") and TensorBoard's text tab (jaxtrain/generate/).
+    sample_every: int = 0
+    sample_prompts: tuple[str, ...] = ()
+    sample_tokens: int = 32
     checkpoint_every: int = 100  # 0: only at the end
     keep_checkpoints: int = 3
     async_checkpoint: bool = True
@@ -95,6 +100,11 @@ class TrainConfig:
                      "hang_save_s", "hang_eval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"TrainConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.sample_every < 0 or self.sample_tokens < 1:
+            raise ValueError(f"TrainConfig.sample_every must be >= 0 and sample_tokens >= 1, got "
+                             f"{self.sample_every} and {self.sample_tokens}")
+        if self.sample_every and not self.sample_prompts:
+            raise ValueError("TrainConfig.sample_every is set but sample_prompts is empty")
         for name in ("eval_every", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")

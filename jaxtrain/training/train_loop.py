@@ -49,6 +49,7 @@ class TrainLoop:
         # opened at the first row, keeping the rows up to the step resumed from: a stop before the
         # first step writes nothing
         self._writer, self.resumed_at = None, self.step
+        self._sampler = None  # built at the first sample (TrainConfig.sample_every)
         self.history, self.stopped_by = [], None
         self.tokens_per_step = t.global_batch * t.seq_len
         self._source_tokens = {}  # batch position -> this process's trained tokens per blend source
@@ -125,6 +126,8 @@ class TrainLoop:
             if _every(self.t.eval_every, self.step) and self.step != self.end:
                 with self.watchdog.phase("eval", f"the eval at step {self.step}"):
                     self.writer.write(self.step, self.tr.evaluate(self.state["params"]), kind="eval")
+            if _every(self.t.sample_every, self.step):
+                self._sample()
             if checkpoint_due or stop:
                 self._save(wait=stop)
             if stop:
@@ -136,6 +139,15 @@ class TrainLoop:
                 return
         if pending is not None:
             self._settle(*pending)
+
+    def _sample(self) -> None:
+        """Greedy samples of TrainConfig.sample_prompts from the current parameters (every process
+        runs the generation; process 0 writes)."""
+        if self._sampler is None:
+            from jaxtrain.generate.during_training import TrainingSampler
+            self._sampler = TrainingSampler(self.tr)
+        with self.watchdog.phase("eval", f"the samples at step {self.step}"):
+            self.writer.write_samples(self.step, self._sampler(self.state["params"]))
 
     def _finish(self) -> None:
         if self.saved_step != self.step and self.step > 0:
