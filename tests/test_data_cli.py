@@ -1,5 +1,9 @@
 """Bad data sources stop `python -m jaxtrain.train` with one line naming the file and exit 2,
 before the workdir is touched (run in this process, as tests/test_cli.py's bad-input cases)."""
+import signal
+import threading
+import time
+
 import gin
 import numpy as np
 import pytest
@@ -41,9 +45,15 @@ def test_bad_data_source_exits_2_naming_it(corpora, tmp_path, capsys, bindings, 
                                                  ("bytes_store", "bpe_store", "big_ids", "empty")}}
     args = [f"--workdir={workdir}", *TINY, *[f"--gin_param={b.format(**paths)}" for b in bindings]]
     gin.clear_config()
+    handler_before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as exit_info:
         train.main(args)
     gin.clear_config()
+    # the CLI's start-up signal handling ends with it: left behind, a later SIGTERM to this
+    # process (pytest's worker) would end it with exit 0
+    assert signal.getsignal(signal.SIGTERM) is handler_before
+    time.sleep(0.05)  # the watcher thread returns once it reads its pipe's end
+    assert not [t for t in threading.enumerate() if t.name == "jaxtrain-startup-signals"]
     err = capsys.readouterr().err
     assert exit_info.value.code == 2, err
     assert err.strip().startswith("error: ") and len(err.strip().splitlines()) == 1, err

@@ -24,6 +24,16 @@ def main(argv=None) -> int:
     from jaxtrain.resilience.preemption import StopSignals  # (imports no jax)
 
     signals = StopSignals(exit_in_startup=True).install()  # before jax starts: start-up included
+    try:
+        return _train(args, signals)
+    finally:
+        # A run that ends by an error line (SystemExit) must not leave its handlers and start-up
+        # watcher behind in a process that goes on, as main() called in-process by tests does:
+        # a later SIGTERM would find the watcher and end that process.
+        signals.restore()
+
+
+def _train(args, signals) -> int:
     start(args)
 
     import gin
