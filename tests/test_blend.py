@@ -26,20 +26,20 @@ def rng():
 
 
 def brute_force_assignment(weights, count):
-    """Megatron's rule written out sample by sample: the source with the largest
-    `w * max(i, 1) - realized` (the first on a tie)."""
+    """The rule written out sample by sample: the source with the largest `w * (i + 1) - realized`
+    (the first on a tie; Megatron's helpers.cpp uses max(i, 1), which can drift past one sample)."""
     weights = np.asarray(weights, np.float64) / np.sum(weights)
     realized = np.zeros(len(weights), np.int64)
     sources, ranks = [], []
     for i in range(count):
-        j = int(np.argmax(weights * max(i, 1) - realized))
+        j = int(np.argmax(weights * (i + 1) - realized))
         sources.append(j)
         ranks.append(int(realized[j]))
         realized[j] += 1
     return np.array(sources), np.array(ranks)
 
 
-def test_assignment_matches_megatron_rule_and_stays_within_one_sample(rng, monkeypatch):
+def test_assignment_follows_the_largest_lag_and_stays_within_one_sample(rng, monkeypatch):
     monkeypatch.setattr(blend_module, "_BLOCK", 64)  # many block boundaries in a short run
     weights = rng.uniform(0.05, 1.0, size=int(rng.integers(2, 6)))
     count = 64 * 7 + int(rng.integers(1, 64))
