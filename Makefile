@@ -10,7 +10,7 @@ ARGS ?=
 # Whole modules go to one worker (loadscope) so module fixtures (reference runs) are built once.
 TEST_WORKERS ?= 2
 
-.PHONY: train test test-fast test-e2e test-reference test-full-size venv clean
+.PHONY: train test test-extended test-fast test-e2e test-reference test-full-size venv clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,13 @@ train: $(VENV)/.stamp
 	$(PY) -m jaxtrain.train --gin_file=configs/default.gin --workdir=runs/default $(ARGS)
 
 test: $(VENV)/.stamp
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope -m "not reference_layout and not full_size" $(ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope -m "not reference_layout and not full_size and not extended" $(ARGS)
+
+# Process-level runs (hangs in each phase of a run, signals during start-up, resumes under a changed
+# optimizer, the GPU check's dry run, the profiler, the notebook; tests/conftest.py EXTENDED):
+# ~3 min on two cores, run by CI after the suite.
+test-extended: $(VENV)/.stamp
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope -m "extended" $(ARGS)
 
 # The part of `make test` that starts real processes of the CLIs, scripts or a Jupyter kernel:
 # fault injections (tests/faults/), multi-process runs, the GPU check's dry run, the CLI,

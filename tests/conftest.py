@@ -45,6 +45,18 @@ END_TO_END = {"test_gpu_check", "test_cli", "test_profiling", "test_notebook",
               "test_cli_table_json_and_plot_on_16_devices", "test_cli_exit_codes_and_a_killed_prepare"}
 
 
+# Process-level runs whose unit-level twins stay in `make test`: fault injections that each start
+# one to four CLI runs (hangs in every phase of a run, signals during start-up, resumes under a
+# changed optimizer), and the GPU check's dry run, the profiler and the notebook (a script, a
+# trace, a Jupyter kernel). They keep `make test` under 15 minutes on two cores (it measured 17:19
+# with them) by running in their own lane, `make test-extended` (marker `extended`), which CI runs
+# after the suite.
+EXTENDED = {"test_hang_phases", "test_startup_stops", "test_gpu_check", "test_profiling", "test_notebook",
+            "test_resume_with_other_clipping_and_roles_carries_the_optimizer_state_over_with_one_line_each",
+            "test_resume_with_an_optimizer_of_another_structure_is_refused_and_moves_nothing",
+            "test_a_step_without_manifest_is_refused_unless_allowed"}
+
+
 def pytest_collection_modifyitems(config, items):
     """Markers by module: `fast` (FAST_MODULES, `make test-fast`), `slow` (everything else),
     `multiprocess` (MULTIPROCESS), `end_to_end` (the fault injections of tests/faults/, the
@@ -61,5 +73,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.end_to_end)
         if "faults" in item.path.parts or module in END_TO_END or item.originalname in END_TO_END:
             item.add_marker(pytest.mark.end_to_end)
+        if module in EXTENDED or item.originalname in EXTENDED:
+            item.add_marker(pytest.mark.extended)
         if module.startswith("test_kernels_"):
             item.add_marker(pytest.mark.gpu)
