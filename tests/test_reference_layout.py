@@ -189,7 +189,12 @@ def test_first_steps_match_one_device(run, one_device):
     first, first_params, _, _ = one_device
     steps, losses = losses_of(first)
     assert steps == [1, 2, 3]
-    assert_losses_close(losses_of(run["history"])[1][:3], losses)
+    # Step 1 agrees to ~1e-7; Adam then turns last-bit differences of the two layouts' reductions
+    # into visible ones (the Nemotron case measured 2.6e-6 at step 2, 3.7e-5 at step 3, 2026-12-03),
+    # so step 1 is held to 1e-5 and the rest to the parameters' 1e-4, as the parameters below are.
+    actual = losses_of(run["history"])[1][:3]
+    assert_losses_close(actual[:1], losses[:1])
+    assert_losses_close(actual, losses, rtol=1e-4)
     assert_params_close(first_params, run["params"][RESUMED], f"{run['name']} 1 device, step {RESUMED}")
 
 
