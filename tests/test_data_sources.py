@@ -188,7 +188,7 @@ def test_blend_of_a_store_and_a_megatron_prefix(tmp_path, rng):
                                       np.uint16)
     cfg = data.DataConfig(blend=("3", str(tmp_path / "web"), "1", prefix), eval_files=(str(raw),))
     batch = next(data.make_train_iterator(cfg, seq_len=8, global_batch=8, seed=2))
-    assert batch["source_ids"].tolist() == [0, 1, 0, 0, 0, 1, 0, 0]  # 3:1 by the rule, worked out by hand
+    assert batch["source_ids"].tolist() == [0, 0, 1, 0, 0, 0, 1, 0]  # 3:1 by the rule (lag at i + 1), worked out by hand
     real = batch["segment_ids"] > 0
     from_megatron = (batch["source_ids"] == 1)[:, None] & real
     assert (batch["inputs"][from_megatron] < 32).all() and (batch["inputs"][~from_megatron & real] >= 32).all()
