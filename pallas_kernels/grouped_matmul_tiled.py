@@ -3,7 +3,7 @@
 `jax.lax.ragged_dot` on XLA:CPU is expanded into a dense product over every group (each row
 multiplied by all `g` weight matrices, then masked), so its time and memory grow with the
 number of groups — with 64 local experts, 64x the work of the dispatch itself. This path walks
-the same tile schedule as the Pallas kernel (`grouped_matmul.tile_schedule`: one work item per
+the same tile schedule as the Pallas kernel (`tile_schedule.py`: one work item per
 (group, row tile) the group touches, at most cdiv(m, block_m) + g of them) in a `lax.scan`:
 each item multiplies one [block_m, k] tile by its group's [k, n] matrix and adds the rows of
 that group into the output. Work is m·k·n plus at most one extra tile per group, memory one
@@ -17,11 +17,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.tile_schedule import tile_schedule
 
 
 def _items(group_sizes, m: int, block_m: int):
-    from pallas_kernels.grouped_matmul import tile_schedule  # (that module dispatches to this one)
-
     group, tile, lo, hi = tile_schedule(group_sizes, m, block_m)
     return group, tile * block_m, lo, hi
 
