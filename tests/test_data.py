@@ -11,7 +11,8 @@ from jaxtrain.data import packing as data
 from jaxtrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from meshes.mesh import MeshConfig, build_mesh
 
-FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+from data_reference import FIELDS, reference_windows
+
 WORDS = ["the", "a", "ball", "Emma", "said", "quiet", "café", "naïve", "中文", "🙂", "x", "—", "?"]
 
 
@@ -45,37 +46,9 @@ def write_jsonl(path, docs, field="text"):
 
 
 def reference_rows(docs, encode, bos, eos, pad, seq_len):
-    """Walk the documents token by token; windows of seq_len + 1 with stride seq_len."""
-    stream, owner = [], []
-    for number, doc in enumerate(docs):
-        ids = [bos] + list(encode(doc)) + [eos]
-        stream += ids
-        owner += [number] * len(ids)
-    rows, start = [], 0
-    while start < len(stream) - 1:
-        window = stream[start:start + seq_len + 1]
-        owners = owner[start:start + seq_len + 1]
-        window += [pad] * (seq_len + 1 - len(window))
-        owners += [None] * (seq_len + 1 - len(owners))
-        row = {name: [] for name in FIELDS}
-        segment = position = 0
-        for i in range(seq_len):
-            if owners[i] is None:
-                seg, pos = 0, 0
-            else:
-                if i == 0 or owners[i] != owners[i - 1]:
-                    segment, position = segment + 1, 0
-                else:
-                    position += 1
-                seg, pos = segment, position
-            row["inputs"].append(window[i])
-            row["targets"].append(window[i + 1])
-            row["segment_ids"].append(seg)
-            row["positions"].append(pos)
-            row["loss_mask"].append(float(owners[i] is not None and owners[i + 1] == owners[i]))
-        rows.append(row)
-        start += seq_len
-    return rows
+    """Text documents framed as the raw path frames them ([bos] + tokens + [eos]), then packed by
+    the shared reference packer."""
+    return reference_windows([[bos] + list(encode(doc)) + [eos] for doc in docs], seq_len, pad)
 
 
 def byte_rows(docs, seq_len):

@@ -13,7 +13,7 @@ from jaxtrain.data.store import loader, training_sources
 from jaxtrain.data.store.memory_source import MemorySource
 from jaxtrain.data.store.windows import WindowIndex
 
-FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+from data_reference import FIELDS, reference_windows
 
 
 @pytest.fixture
@@ -32,36 +32,9 @@ def random_source(rng, documents, with_masks, vocab=1000):
 
 
 def reference_examples(docs, masks, order, seq_len, pad):
-    """The whole corpus concatenated in `order`, cut into windows with a per-token loop."""
-    stream = np.concatenate([docs[d] for d in order]).tolist()
-    owner = np.concatenate([np.full(len(docs[d]), slot) for slot, d in enumerate(order)]).tolist()
-    keep = (np.concatenate([masks[d] for d in order]) if masks else np.ones(len(stream))).tolist()
-    rows = []
-    for start in range(0, max(len(stream) - 1, 1), seq_len):
-        tokens = stream[start:start + seq_len + 1]
-        owners = owner[start:start + seq_len + 1]
-        kept = keep[start:start + seq_len + 1]
-        pad_count = seq_len + 1 - len(tokens)
-        tokens, owners, kept = tokens + [pad] * pad_count, owners + [None] * pad_count, kept + [0] * pad_count
-        row = {name: [] for name in FIELDS}
-        segment = position = 0
-        for i in range(seq_len):
-            if owners[i] is None:
-                seg, pos = 0, 0
-            else:
-                if i == 0 or owners[i] != owners[i - 1]:
-                    segment, position = segment + 1, 0
-                else:
-                    position += 1
-                seg, pos = segment, position
-            row["inputs"].append(tokens[i])
-            row["targets"].append(tokens[i + 1])
-            row["segment_ids"].append(seg)
-            row["positions"].append(pos)
-            same_document = owners[i] is not None and owners[i + 1] == owners[i]
-            row["loss_mask"].append(float(same_document and kept[i + 1] > 0))
-        rows.append(row)
-    return rows
+    """The whole corpus concatenated in `order`, packed by the shared reference packer."""
+    return reference_windows([docs[d] for d in order], seq_len, pad,
+                             [masks[d] for d in order] if masks else None)
 
 
 @pytest.mark.parametrize("with_masks", [False, True], ids=["plain", "masked"])
@@ -82,6 +55,21 @@ def test_windows_equal_the_concatenated_corpus(rng, with_masks):
         for name in FIELDS:
             np.testing.assert_array_equal(got[name][i], np.asarray(expected[window][name]), err_msg=name)
     assert got["inputs"].dtype == np.int32 and got["loss_mask"].dtype == np.float32
+
+
+@pytest.mark.parametrize("lengths", [[1], [0, 1, 0], [2], [0, 3]], ids=["1", "0-1-0", "2", "0-3"])
+def test_the_shortest_streams(lengths):
+    """The edge the reference packer decides: a stream of at most one token is one padded window
+    with nothing trained (WindowIndex.count is never 0); two tokens are one trained target."""
+    docs = [np.arange(5, 5 + n) for n in lengths]
+    source = MemorySource(docs, name="short", vocab_size=100, pad_id=99)
+    index = WindowIndex(source, 4)
+    expected = reference_windows(docs, 4, 99)
+    assert index.count == len(expected) == 1
+    got = index.examples(np.arange(index.count))
+    for name in FIELDS:
+        np.testing.assert_array_equal(got[name][0], np.asarray(expected[0][name]), err_msg=name)
+    assert got["loss_mask"].sum() == max(sum(lengths) - 1, 0)
 
 
 def test_a_text_source_is_its_documents_framed(tmp_path):
