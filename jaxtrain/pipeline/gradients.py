@@ -6,7 +6,7 @@ summed over all tokens, so a pipelined step equals an unpipelined one with as ma
 microbatches. Parameters arrive in the stage layout (jaxtrain/pipeline/layout.py).
 
 The model's own pieces (CausalLM.embed_inputs, its stacks' layers, CausalLM.head_sums) and the
-one loss formula (step.training_loss), so a pipelined step computes what the model defines:
+one loss formula (jaxtrain/microbatching.training_loss), so a pipelined step computes what the model defines:
 embed (replicated over `pipeline`) -> stages (meshes/pipeline.py) -> final norm, head and
 cross-entropy per microbatch, the microbatches split over `pipeline` when it divides them, so
 no pipeline group computes the head for the whole batch.
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.pipeline.layout import PipelineLayout
-from jaxtrain.training.step import split_microbatches, training_loss
+from jaxtrain.microbatching import split_microbatches, training_loss
 from meshes.context_layout import to_device_order
 from meshes.pipeline import run_pipeline
 from meshes.rules import constrain

@@ -12,12 +12,12 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxtrain.microbatching import ROW, split_microbatches, training_loss
 from meshes.context_layout import ContextParallel, to_device_order, use_context_parallel
-from meshes.rules import RuleSet, constrain, named_sharding, use_rules
-from models.layers.aux_outputs import aux_metrics, has_after_update, total_aux_loss
+from meshes.rules import RuleSet, named_sharding, use_rules
+from models.layers.aux_outputs import aux_metrics, has_after_update
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
-ROW = ("batch", "length")
 
 
 def batch_shardings(mesh, rules: RuleSet, global_batch: int, seq_len: int) -> dict:
@@ -32,24 +32,6 @@ def _forward_sums(graphdef, params, batch, *, loss_chunk, z_loss):
     x, aux = model.run_stacks(model.embed_inputs(batch["inputs"]), batch["positions"], batch["segment_ids"])
     sums = model.head_sums(x, batch["targets"], batch["loss_mask"], chunk=loss_chunk, z_loss=z_loss)
     return sums, aux
-
-
-def training_loss(sums, aux, total_tokens, microbatches: int):
-    """The one loss formula: token-summed cross-entropy (+ z-loss) over the whole batch's
-    tokens, plus the layers' aux losses (each a mean over its microbatch's tokens, so averaged
-    over microbatches)."""
-    nll, z, _ = sums
-    return (nll + z) / total_tokens + total_aux_loss(aux) / microbatches
-
-
-def split_microbatches(batch, microbatches: int):
-    """[B, L] -> [m, B/m, L], microbatch i taking rows i, i+m, ... so that every data shard
-    contributes to every microbatch and no rows move between devices."""
-    def split(x):
-        b = x.shape[0]
-        x = x.reshape((b // microbatches, microbatches) + x.shape[1:])
-        return constrain(jnp.swapaxes(x, 0, 1), (None,) + ROW)
-    return jax.tree.map(split, batch)
 
 
 class AccumulatedGradients:
