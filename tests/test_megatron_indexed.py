@@ -28,7 +28,10 @@ def random_megatron_documents(rng, count, high):
 
 
 @pytest.mark.parametrize("dtype, high", [(np.uint16, 65536), (np.int32, 2**31 - 1), (np.uint8, 256)])
-def test_reference_files_read_back(tmp_path, rng, dtype, high):
+def test_reference_files_read_back(tmp_path, rng, dtype, high, monkeypatch):
+    # The index is checked, and the max id scanned, a few entries at a time: every chunk seam is crossed.
+    monkeypatch.setattr(megatron, "_INDEX_CHUNK", 3)
+    monkeypatch.setattr(megatron, "_CHUNK", 5)
     docs = random_megatron_documents(rng, 17, high)
     prefix = write_megatron_reference(tmp_path / "corpus_text_document", docs, dtype)
     source = open_source(prefix)

@@ -27,6 +27,7 @@ import struct
 import numpy as np
 
 from jaxtrain.data.store.errors import DataInputError
+from jaxtrain.data.store.file_array import FileArray
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -34,6 +35,7 @@ DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
                6: np.float64, 7: np.float32, 8: np.uint16}
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, document-index entries
 _CHUNK = 1 << 24  # tokens scanned at a time for the max id
+_INDEX_CHUNK = 1 << 22  # index entries checked at a time at open
 
 
 def is_megatron_prefix(prefix: str | os.PathLike) -> bool:
@@ -86,32 +88,38 @@ class MegatronIndexedDataset:
             raise DataInputError(
                 f"{idx_path}: {size} bytes, but its header announces {sequences} sequences and "
                 f"{entries} document-index entries ({needed} bytes); the index is truncated or corrupt")
-        index = np.memmap(idx_path, dtype=np.uint8, mode="r")
+        # The index is read into memory (O(sequences)), the .bin by positioned reads (file_array.py:
+        # a memory map's touched pages would stay in the process's RSS).
         at = _HEADER.size
-        self._seq_lengths = np.frombuffer(index, np.int32, sequences, at)
-        self._pointers = np.frombuffer(index, np.int64, sequences, at + 4 * sequences)
-        self._doc_index = np.frombuffer(index, np.int64, entries, at + 12 * sequences)
-        self._check(sequences, bin_path.stat().st_size)
-        self._bin = (np.memmap(bin_path, dtype=self.dtype, mode="r") if bin_path.stat().st_size
-                     else np.zeros(0, self.dtype))
+        self._doc_index = FileArray(idx_path, np.int64, entries, at + 12 * sequences)[:]
+        self._check(sequences, FileArray(idx_path, np.int32, sequences, at),
+                    FileArray(idx_path, np.int64, sequences, at + 4 * sequences), bin_path.stat().st_size)
+        self._bin = FileArray(bin_path, self.dtype, int(self._starts[-1]))
         self._max_id = None
 
-    def _check(self, sequences: int, bin_bytes: int) -> None:
+    def _check(self, sequences: int, lengths: FileArray, pointers: FileArray, bin_bytes: int) -> None:
+        """Document indices rise from 0 to the sequence count, lengths are not negative, the
+        pointers are the sequences back to back, the .bin holds them all; keeps `_starts`, each
+        sequence's first token (the pointers are checked in chunks and not kept)."""
         where = self._idx_path
-        doc_index, lengths = self._doc_index, self._seq_lengths
+        doc_index = self._doc_index
         if doc_index[0] != 0 or doc_index[-1] != sequences or np.any(np.diff(doc_index) < 0):
             raise DataInputError(
                 f"{where}: document indices must rise from 0 to the sequence count {sequences}; corrupt index")
-        if np.any(lengths < 0):
-            raise DataInputError(f"{where}: negative sequence length at sequence {int(np.argmax(lengths < 0))}")
-        # Token offset of each sequence's start; the pointers must be exactly these bytes.
         self._starts = np.zeros(sequences + 1, np.int64)
-        np.cumsum(lengths, out=self._starts[1:])
-        bad = np.flatnonzero(self._pointers != self._starts[:-1] * self.dtype.itemsize)
-        if len(bad):
-            raise DataInputError(
-                f"{where}: sequence {int(bad[0])} points at byte {int(self._pointers[bad[0]])}, expected "
-                f"{int(self._starts[bad[0]]) * self.dtype.itemsize} (sequences back to back); corrupt index")
+        for first, chunk in lengths.chunks(_INDEX_CHUNK):
+            if np.any(chunk < 0):
+                raise DataInputError(
+                    f"{where}: negative sequence length at sequence {first + int(np.argmax(chunk < 0))}")
+            np.cumsum(chunk, out=self._starts[first + 1:first + 1 + len(chunk)])
+            self._starts[first + 1:first + 1 + len(chunk)] += self._starts[first]
+        for first, chunk in pointers.chunks(_INDEX_CHUNK):
+            expected = self._starts[first:first + len(chunk)] * self.dtype.itemsize
+            bad = np.flatnonzero(chunk != expected)
+            if len(bad):
+                raise DataInputError(
+                    f"{where}: sequence {first + int(bad[0])} points at byte {int(chunk[bad[0]])}, expected "
+                    f"{int(expected[bad[0]])} (sequences back to back); corrupt index")
         expected = int(self._starts[-1]) * self.dtype.itemsize
         if bin_bytes != expected:
             raise DataInputError(
@@ -152,8 +160,8 @@ class MegatronIndexedDataset:
         except (OSError, ValueError, KeyError, AttributeError):
             pass
         top = -1
-        for at in range(0, len(self._bin), _CHUNK):
-            top = max(top, int(self._bin[at:at + _CHUNK].max()))
+        for _, chunk in self._bin.chunks(_CHUNK):
+            top = max(top, int(chunk.max()))
         self._max_id = top
         try:
             sidecar.write_text(json.dumps({"key": key, "max_token_id": top}))

@@ -11,7 +11,9 @@ A store is a directory written by `python -m jaxtrain.data prepare`:
 
 Documents are training-ready: text documents are `[bos] + tokens + [eos]` exactly as
 jaxtrain/data/packing.py builds them, chat documents are the chat template's own rendering.
-Everything is memory-mapped; opening a store reads only its metadata and checks sizes.
+Opening a store reads its metadata and checks sizes and offsets; tokens and masks are read by
+positioned reads of the slices asked for (file_array.py: a memory map's touched pages would stay
+in the process's RSS), so nothing grows with the corpus but the offsets (8 bytes per document).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import pathlib
 import numpy as np
 
 from jaxtrain.data.store.errors import DataInputError
+from jaxtrain.data.store.file_array import FileArray
 
 FORMAT_NAME = "jaxtrain-token-store"
 FORMAT_VERSION = 1
@@ -136,21 +139,13 @@ class TokenStore:
         offsets_path = self.path / OFFSETS_FILE
         if not offsets_path.is_file():
             raise DataInputError(f"{offsets_path}: missing (document offsets)")
-        try:
-            self._offsets = np.load(offsets_path, mmap_mode="r")
-        except (ValueError, OSError) as err:
-            raise DataInputError(f"{offsets_path}: unreadable document offsets ({err})") from err
-        if self._offsets.dtype != np.int64 or self._offsets.shape != (meta.documents + 1,):
-            raise DataInputError(
-                f"{offsets_path}: {self._offsets.dtype} {self._offsets.shape}, expected int64 "
-                f"({meta.documents + 1},); the store is corrupt"
-            )
+        self._offsets = _npy_array(offsets_path, np.dtype(np.int64), meta.documents + 1)
         check_offsets(self._offsets, meta.tokens, offsets_path)
-        self._tokens = _memmap(self.path / TOKENS_FILE, dtype, meta.tokens)
+        self._tokens = FileArray(self.path / TOKENS_FILE, dtype, meta.tokens)
         self._mask = None
         if meta.has_loss_mask:
             _expect_size(self.path / LOSS_MASK_FILE, meta.tokens, "loss mask")
-            self._mask = _memmap(self.path / LOSS_MASK_FILE, np.dtype(np.uint8), meta.tokens)
+            self._mask = FileArray(self.path / LOSS_MASK_FILE, np.uint8, meta.tokens)
         self.vocab_size = meta.vocab_size
         self.tokenizer_id = meta.tokenizer_id
         self.pad_id = meta.pad_id
@@ -163,14 +158,17 @@ class TokenStore:
 
     @property
     def document_lengths(self) -> np.ndarray:
-        if self._lengths is None:
-            self._lengths = np.diff(self._offsets)
+        if self._lengths is None:  # (in chunks: the offsets are not held as well)
+            lengths = np.empty(len(self), np.int64)
+            for start in range(0, len(self), _CHECK_CHUNK):
+                lengths[start:start + _CHECK_CHUNK] = np.diff(self._offsets[start:start + _CHECK_CHUNK + 1])
+            self._lengths = lengths
         return self._lengths
 
     def _span(self, document: int, start: int, stop: int | None) -> tuple[int, int]:
         if not 0 <= document < len(self):
             raise IndexError(f"{self.name}: document {document} of {len(self)}")
-        begin, end = int(self._offsets[document]), int(self._offsets[document + 1])
+        begin, end = (int(x) for x in self._offsets[document:document + 2])
         stop = end - begin if stop is None else min(stop, end - begin)
         return begin + max(start, 0), begin + max(stop, start, 0)
 
@@ -182,7 +180,7 @@ class TokenStore:
         if self._mask is None:
             return None
         lo, hi = self._span(document, start, stop)
-        return np.array(self._mask[lo:hi])
+        return self._mask[lo:hi]
 
     @property
     def max_token_id(self) -> int:
@@ -193,7 +191,19 @@ class TokenStore:
         return f"TokenStore({self.name!r}: {len(self)} documents, {self.metadata.tokens} tokens)"
 
 
-def _memmap(path: pathlib.Path, dtype: np.dtype, count: int) -> np.ndarray:
-    if count == 0:  # numpy cannot map an empty file
-        return np.zeros(0, dtype)
-    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+def _npy_array(path: pathlib.Path, dtype: np.dtype, count: int) -> FileArray:
+    """The 1-D `.npy` array at `path`, checked to be `count` items of `dtype`, read by positioned
+    reads (its header parsed here; the data starts where the header ends)."""
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0)
+            shape, _, found = read_header(f)
+            start = f.tell()
+    except (ValueError, OSError) as err:
+        raise DataInputError(f"{path}: unreadable document offsets ({err})") from err
+    if found != dtype or shape != (count,):
+        raise DataInputError(f"{path}: {found} {shape}, expected {dtype} ({count},); the store is corrupt")
+    _expect_size(path, start + count * dtype.itemsize, "document offsets")
+    return FileArray(path, dtype, count, offset=start)
