@@ -10,7 +10,7 @@ import pytest
 
 from hf_tiny_models import forward, save_tiny_llama
 from jaxtrain import hf
-from jaxtrain.generate import Engine, Sampling, left_pad
+from jaxtrain.generate import Engine, Sampling, count_compiles, left_pad
 
 PROMPT_LENGTHS = (5, 11, 3)
 NEW_TOKENS = 32
@@ -74,11 +74,12 @@ def test_prefill_and_decode_logits_equal_the_full_forward(tiny):
 
 def test_decode_compiles_once_and_rows_stop_at_their_eos(tiny):
     engine = Engine(tiny.model, bucket=16)  # its own jitted functions: their compiles counted here
-    free = engine.generate(tiny.prompts, max_new_tokens=NEW_TOKENS)
-    assert engine._decode._cache_size() == 1, "the decode step recompiled during one generation"
-    eos = free[0][4]  # row 0 stops at its 5th token; other rows stop at their first one of it
-    stopped = engine.generate(tiny.prompts, max_new_tokens=NEW_TOKENS, eos_id=eos)
-    assert engine._decode._cache_size() == 1 and engine._prefill._cache_size() == 1
+    with count_compiles() as compiled:
+        free = engine.generate(tiny.prompts, max_new_tokens=NEW_TOKENS)
+        assert compiled["_decode_fn"] == 1, "the decode step recompiled during one generation"
+        eos = free[0][4]  # row 0 stops at its 5th token; other rows stop at their first one of it
+        stopped = engine.generate(tiny.prompts, max_new_tokens=NEW_TOKENS, eos_id=eos)
+    assert compiled["_decode_fn"] == 1 and compiled["_prefill_fn"] == 1
     for row, tokens in zip(stopped, free):
         end = tokens.index(eos) + 1 if eos in tokens else NEW_TOKENS
         assert row == tokens[:end]

@@ -6,7 +6,7 @@ Names load lazily so that `python -m jaxtrain.generate` can size the CPU devices
 import importlib
 
 _NAMES = {"Engine": "engine", "left_pad": "engine", "Sampling": "sampling", "filter_logits": "sampling",
-          "sample": "sampling"}
+          "sample": "sampling", "count_compiles": "compiles"}
 __all__ = sorted(_NAMES)
 
 

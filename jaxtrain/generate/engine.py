@@ -62,18 +62,38 @@ def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_pos
                              f"passes the model's {max_positions} positions")
 
 
+def decode_rules(rules):
+    """The rule table a decode step runs under: `rules` with the token axis whole. A step holds one
+    token per row, which no sequence-parallel (`dp_sp`, `fsdp_sp`: residual over tensor) or
+    context-parallel split can divide; weights and caches shard as under `rules`."""
+    activations = {**rules.activations, "length": (), "residual_length": ()}
+    return dataclasses.replace(rules, name=f"{rules.name} decode", activations=activations)
+
+
+def check_generation_layout(mesh) -> None:
+    """ValueError, before anything compiles, for a mesh generation cannot run on: under context
+    parallelism a prompt's tokens (and so its cache entries) sit in the layout's device order,
+    not in the order decode appends to."""
+    if mesh is not None and mesh.shape.get("context", 1) > 1:
+        raise ValueError(f"generation does not run under context parallelism (context={mesh.shape['context']} in "
+                         f"this layout): generate on a layout without `context`, e.g. data and tensor only")
+
+
 class Engine:
     """Generation with one model on one mesh (or one device). `rules`: the rule table the model's
     weights are sharded by (meshes/rules.py), so the caches shard like them."""
 
     def __init__(self, model, *, mesh=None, rules=None, cache_dtype=jnp.float32, bucket: int = BUCKET):
+        check_generation_layout(mesh)
         self.graphdef, self.state = nnx.split(model)
         self.mesh, self.rules, self.cache_dtype, self.bucket = mesh, rules, cache_dtype, bucket
         self._prefill = jax.jit(self._prefill_fn, static_argnames=("max_len", "sampling"))
         self._decode = jax.jit(self._decode_fn, static_argnames=("sampling",), donate_argnums=(1,))
 
-    def _rules(self):
-        return use_rules(self.mesh, self.rules) if self.mesh is not None else contextlib.nullcontext()
+    def _rules(self, decode: bool = False):
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        return use_rules(self.mesh, decode_rules(self.rules) if decode else self.rules)
 
     def batch_multiple(self) -> int:
         """How many ways the rule table splits `batch` on this mesh (1 without a mesh)."""
@@ -111,20 +131,21 @@ class Engine:
         with self._rules():
             tokens, logits, cache = self._prefill(self.state, padded.tokens, padded.positions, padded.segment_ids,
                                                   jax.random.fold_in(root, 0), max_len=max_len, sampling=sampling)
-            valid_from = jnp.asarray(padded.valid_from)
-            for step in range(max_new_tokens):
-                if step:
+        valid_from = jnp.asarray(padded.valid_from)
+        for step in range(max_new_tokens):
+            if step:
+                with self._rules(decode=True):  # entered per call: the rules never stay set across a yield
                     tokens, logits, cache = self._decode(self.state, cache, tokens, jnp.int32(length + step - 1),
                                                          valid_from, jax.random.fold_in(root, step),
                                                          sampling=sampling)
-                if on_logits is not None:
-                    on_logits(step, np.asarray(logits))
-                out = np.where(done, -1, np.asarray(tokens))
-                yield out[:rows]
-                if eos_id is not None:
-                    done |= out == eos_id
-                if done.all():
-                    return
+            if on_logits is not None:
+                on_logits(step, np.asarray(logits))
+            out = np.where(done, -1, np.asarray(tokens))
+            yield out[:rows]
+            if eos_id is not None:
+                done |= out == eos_id
+            if done.all():
+                return
 
     def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> list[list[int]]:
         """The new tokens of each prompt (up to and including its EOS)."""

@@ -9,8 +9,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshes.rules import constrain
-from models.layers.attention_core import dot_product_attention
 from models.layers.attention_impl import AutoAttention
+from models.layers.decode_attention import decode_block, grouped_query_decode
+from models.layers.decode_cache import LayerCache
 from models.layers.dense import Dense
 from models.layers.rope import apply_rope
 
@@ -21,12 +22,6 @@ def write_cache(cache, update, index):
     """cache [b, max_len, ...] with `update` [b, n, ...] written at entries [index, index + n)."""
     start = (0, index) + (0,) * (cache.ndim - 2)
     return jax.lax.dynamic_update_slice(cache, update.astype(cache.dtype), start)
-
-
-def decode_mask(max_len: int, index, valid_from):
-    """[b, 1, max_len]: the one new query of each row sees cache entries [valid_from[b], index]."""
-    entries = jnp.arange(max_len)
-    return ((entries[None, :] >= valid_from[:, None]) & (entries[None, :] <= index))[:, None, :]
 
 
 class GroupedQueryAttention(nnx.Module):
@@ -75,10 +70,12 @@ class GroupedQueryAttention(nnx.Module):
 
     def decode(self, x, positions, cache, index, valid_from):
         """One token per row: its key/value go to entry `index`, its query attends to the row's
-        entries [valid_from, index] (a masked softmax over the whole cache: one query is cheap)."""
+        entries [valid_from, index], reading only the cache blocks that hold them
+        (models/layers/decode_attention.py). `cache`: the layer's dict, or a LayerCache view of it
+        inside a stack's stacked cache (written in place)."""
         q, k, v = self._qkv(x, positions)
-        cache = {"k": constrain(write_cache(cache["k"], k, index), KV_CACHE),
-                 "v": constrain(write_cache(cache["v"], v, index), KV_CACHE)}
-        mask = decode_mask(cache["k"].shape[1], index, valid_from)
-        out = dot_product_attention(q, cache["k"].astype(q.dtype), cache["v"].astype(v.dtype), mask, scale=self.scale)
-        return self.o(out), cache
+        view = LayerCache.of(cache).write("k", k, index, KV_CACHE).write("v", v, index, KV_CACHE)
+        out, _ = grouped_query_decode(q, view, index=index, valid_from=valid_from, scale=self.scale,
+                                      block=decode_block(self.attention))
+        out = constrain(out, ("batch", "length", "heads", None))
+        return self.o(out), view.like(cache)

@@ -33,6 +33,7 @@ from pallas_kernels._common import target_platform
 
 @dataclasses.dataclass(frozen=True)
 class MaterializedAttention:
+    decode_block: int | None = None  # cache entries a decode step reads per trip (None: decode_attention's default)
     takes_latent = False
 
     def check_backend(self, platform: str) -> None:
@@ -48,6 +49,7 @@ class _Flash:
     """Shared by the per-device implementations: which kernel, which blocks."""
     block_q: int | None = None  # None: the kernel's default, shrunk for short sequences
     block_k: int | None = None
+    decode_block: int | None = None  # cache entries a decode step reads per trip (models/layers/decode_attention.py)
     takes_latent = True
 
     def check_backend(self, platform: str) -> None:

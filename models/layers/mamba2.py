@@ -29,6 +29,7 @@ from meshes.context_layout import context_size
 from meshes.context_ssm import context_causal_conv, context_ssd_scan
 from meshes.per_shard import per_shard
 from meshes.rules import constrain
+from models.layers.decode_cache import LayerCache
 from models.layers.dense import Dense
 from models.layers.gated_norm import GatedGroupRMSNorm
 from models.layers.params import LOGICAL_AXES, OPTIMIZER, param
@@ -258,20 +259,21 @@ class Mamba2Mixer(nnx.Module):
         """One token per row x [b, 1, embed]: one conv window step and one recurrence step,
         s = exp(dt A) s + dt x (x) B,  y = C . s + D x. Positions, index and valid_from are not
         needed: the state already holds exactly the row's tokens."""
+        view = LayerCache.of(cache)  # inside a stack: this layer of the stacked cache, updated in place
         z, (xs, b, c), dt = self._project(x)
-        xs, wx = self.conv_x.step(cache["conv_x"], xs)
-        b, wb = self.conv_b.step(cache["conv_b"], b)
-        c, wc = self.conv_c.step(cache["conv_c"], c)
+        xs, wx = self.conv_x.step(view.read("conv_x"), xs)
+        b, wb = self.conv_b.step(view.read("conv_b"), b)
+        c, wc = self.conv_c.step(view.read("conv_c"), c)
         hpg = self.cfg.heads // self.cfg.groups
         f32 = lambda v: v[:, 0].astype(jnp.float32)
         x1, dt1 = f32(xs), dt[:, 0]  # [b, h, p], [b, h]
         b1, c1 = jnp.repeat(f32(b), hpg, axis=1), jnp.repeat(f32(c), hpg, axis=1)  # [b, h, n]
         decay = jnp.exp(dt1 * -jnp.exp(self.A_log[...]))
-        state = decay[..., None, None] * cache["state"] + (dt1[..., None] * x1)[..., None] * b1[:, :, None, :]
+        state = decay[..., None, None] * view.read("state") + (dt1[..., None] * x1)[..., None] * b1[:, :, None, :]
         state = constrain(state, STATE)
         y = jnp.einsum("bhpn,bhn->bhp", state, c1) + self.D[...][:, None] * x1
         y = constrain(y[:, None].astype(xs.dtype), PER_HEAD)
-        new = {"state": state, "conv_x": constrain(wx, WINDOW["conv_x"]), "conv_b": constrain(wb, WINDOW["conv_b"]),
-               "conv_c": constrain(wc, WINDOW["conv_c"])}
-        return self.out(self.norm(y, z)), new
+        view = (view.replace("state", state, STATE).replace("conv_x", wx, WINDOW["conv_x"])
+                .replace("conv_b", wb, WINDOW["conv_b"]).replace("conv_c", wc, WINDOW["conv_c"]))
+        return self.out(self.norm(y, z)), view.like(cache)
 

@@ -17,8 +17,9 @@ from flax import nnx
 
 from meshes.rules import constrain
 from meshes.context_attention import gather_sequence
-from models.layers.attention_core import _MASKED
 from models.layers.attention_impl import AutoAttention
+from models.layers.decode_attention import decode_block, latent_decode
+from models.layers.decode_cache import LayerCache
 from models.layers.dense import Dense
 from models.layers.norm import RMSNorm
 from models.layers.rope import YarnScaling, apply_rope_interleaved
@@ -141,22 +142,17 @@ class MultiHeadLatentAttention(nnx.Module):
         """
         q = self._queries(x, positions)
         latent, k_rope = self._latent_and_rope_key(x, positions)
-        cache = _write_cache(cache, latent, k_rope, index)
+        view = LayerCache.of(cache).write("latent", latent, index, CACHE_LATENT).write("k_rope", k_rope, index,
+                                                                                        CACHE_ROPE_KEY)
         dtype = self.kv_up.dtype
         w_up = self.kv_up.kernel[...].astype(dtype)  # [kv_lora, h, nope + v]
         w_uk, w_uv = w_up[..., :self.nope], w_up[..., self.nope:]
-        latents, rope_keys = cache["latent"].astype(dtype), cache["k_rope"].astype(dtype)
-        q_latent = jnp.einsum("bqhn,chn->bqhc", q[..., :self.nope].astype(dtype), w_uk)
-        scores = (jnp.einsum("bqhc,bkc->bhqk", q_latent, latents, preferred_element_type=jnp.float32)
-                  + jnp.einsum("bqhr,bkr->bhqk", q[..., self.nope:].astype(dtype), rope_keys,
-                               preferred_element_type=jnp.float32)) * self.softmax_scale
-        entries = jnp.arange(latents.shape[1])
-        visible = (entries[None, :] >= valid_from[:, None]) & (entries[None, :] <= index)  # [b, max_len]
-        scores = jnp.where(visible[:, None, None, :], scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        out_latent = jnp.einsum("bhqk,bkc->bqhc", probs, latents)
-        out = constrain(jnp.einsum("bqhc,chv->bqhv", out_latent, w_uv), PER_HEAD)
-        return self.o(out), cache
+        q_latent = jnp.einsum("bhn,chn->bhc", q[:, 0, :, :self.nope].astype(dtype), w_uk)
+        q_rope = q[:, 0, :, self.nope:].astype(dtype)
+        out_latent, _ = latent_decode(q_latent, q_rope, view, index=index, valid_from=valid_from,
+                                      scale=self.softmax_scale, block=decode_block(self.attention))
+        out = constrain(jnp.einsum("bhc,chv->bhv", out_latent.astype(dtype), w_uv)[:, None], PER_HEAD)
+        return self.o(out), view.like(cache)
 
 
 CACHE_LATENT = ("batch", None, "kv_lora")  # the cache's length stays whole: decode writes one entry anywhere
