@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from meshes.rules import constrain_param
+from models.layers.decode_cache import LayerCache
 from models.layers.params import LOGICAL_AXES
 from models.layers.stack import REMAT_POLICIES, LayerStack
 
@@ -126,13 +127,12 @@ class PatternStack(nnx.Module):
         return x, {kind: jax.tree.map(lambda a: a[rows[kind]], per_layer[k]) for k, kind in enumerate(self.kinds)}
 
     # Generation (models/layers/decode_cache.py): {kind: that kind's caches, stacked on its own
-    # layers axis}. The pattern's scan carries them all; each step slices one layer of every kind's
-    # cache (as it slices the weights), the switch runs the step's kind on its slice and hands the
-    # other slices back unchanged, and every slice is written back where it was read. Cost: each
-    # step copies one layer of every kind's cache, so a growing attention cache is copied at every
-    # layer of the pattern: on CPU, 16 layers with 2 attention layers, batch 4, max_len 65536, a decode
-    # step took 2.26 s, 1.09 s with the pattern unrolled (compile time growing with depth instead);
-    # passing the whole caches through the switch took 2.72 s (XLA copies the conditional's operands).
+    # layers axis}. Prefill threads them through the pattern's scan: each step slices one layer of
+    # every kind's cache, the switch runs the step's kind on its slice, and every slice is written
+    # back (one layer of every kind's cache copied per layer, once per prompt). Decode, every token,
+    # instead unrolls the pattern (static, and one token's layer is small to compile): layer j reads
+    # and writes its own kind's stacked cache in place at its static index, so no other cache is
+    # touched. Measured on CPU (benchmarks/hybrid_decode.py): see README "Generating text".
     def init_cache(self, batch: int, max_len: int, dtype):
         return {kind: self.stack(kind).init_cache(batch, max_len, dtype) for kind in self.kinds}
 
@@ -140,7 +140,14 @@ class PatternStack(nnx.Module):
         return self._with_cache(x, cache, lambda layer, h, c: layer.prefill(h, positions, segment_ids, c))
 
     def decode(self, x, positions, cache, index, valid_from):
-        return self._with_cache(x, cache, lambda layer, h, c: layer.decode(h, positions, c, index, valid_from))
+        graphdefs = {kind: nnx.graphdef(self.stack(kind).layers) for kind in self.kinds}
+        stacks = {kind: nnx.state(self.stack(kind).layers) for kind in self.kinds}
+        cache = dict(cache)
+        for kind, i in self.slots:
+            layer = nnx.merge(graphdefs[kind], layer_of(stacks[kind], i))
+            x, view = layer.decode(x, positions, LayerCache(cache[kind], i), index, valid_from)
+            cache[kind] = view.entries
+        return x, cache
 
     def _with_cache(self, x, cache, call):
         """call(layer, x, layer_cache) -> (x, layer_cache) over the pattern; -> (x, cache)."""

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.layers.aux_outputs import apply_after_update
+from models.layers.decode_cache import LayerCache
 from models.layers.params import LOGICAL_AXES
 
 REMAT_POLICIES = {
@@ -57,8 +58,9 @@ class LayerStack(nnx.Module):
         x, aux = jax.lax.scan(one_layer, x, state)
         return x, aux  # aux: each leaf stacked per layer
 
-    # Generation (models/layers/decode_cache.py): each layer's cache is sliced out of the stacked
-    # one as a scan input and its update stacked back as a scan output, like the weights.
+    # Generation (models/layers/decode_cache.py): prefill slices each layer's cache out of the stacked
+    # one as a scan input and stacks its update back as a scan output, like the weights (once per
+    # prompt); decode updates the stacked cache in place (below).
     def init_cache(self, batch: int, max_len: int, dtype):
         one = self.layers.init_cache(batch, max_len, dtype)  # reads only static shapes, no weights
         return jax.tree.map(lambda c: jnp.broadcast_to(c, (self.num_layers,) + c.shape), one)
@@ -73,13 +75,20 @@ class LayerStack(nnx.Module):
         return jax.lax.scan(one_layer, x, (state, cache))
 
     def decode(self, x, positions, cache, index, valid_from):
+        """The stacked cache rides in the scan's carry and each layer writes its one new entry into
+        it in place (a LayerCache view): as scan inputs/outputs, every layer's whole cache was
+        copied each step (models/layers/decode_cache.py)."""
         graphdef, state = nnx.split(self.layers)
 
         def one_layer(carry, xs):
-            layer_state, layer_cache = xs
-            return nnx.merge(graphdef, layer_state).decode(carry, positions, layer_cache, index, valid_from)
+            h, entries = carry
+            layer_state, layer = xs
+            h, view = nnx.merge(graphdef, layer_state).decode(h, positions, LayerCache(entries, layer), index,
+                                                             valid_from)
+            return (h, view.entries), None
 
-        return jax.lax.scan(one_layer, x, (state, cache))
+        (x, cache), _ = jax.lax.scan(one_layer, (x, cache), (state, jnp.arange(self.num_layers)))
+        return x, cache
 
     def after_update(self, aux) -> None:
         """Post-step updates of the layers' typed outputs (models/layers/aux_outputs.py)."""
