@@ -12,20 +12,22 @@ from flax import nnx
 
 from models.causal_lm import CausalLM, add_residual, layer_input
 from models.dtypes import dtype_from_name
-from models.family import model_family
+from models.family import FamilyConfig, model_family
+from models.layers.attention_impl import STRATEGIES as ATTENTION_STRATEGIES
 from models.layers.attention_impl import AutoAttention, check_attention
 from models.layers.mla import MultiHeadLatentAttention, mla_softmax_scale
 from models.layers.mlp import SwiGLU
 from models.layers.moe import MoEBlock
 from models.layers.norm import RMSNorm
-from models.layers.rope import NoScaling, rope_attention_factor
+from models.layers.rope import SCALINGS, NoScaling, rope_attention_factor
 from models.layers.router import RouterConfig
 from models.layers.stack import LayerStack
 
 
-@model_family("deepseek_v2", "MLA attention, dense prefix, DeepSeekMoE (routed + shared experts)")
+@model_family("deepseek_v2", "MLA attention, dense prefix, DeepSeekMoE (routed + shared experts)",
+              parts=(RouterConfig, *SCALINGS, *ATTENTION_STRATEGIES), hf_adapter="jaxtrain.hf.families.deepseek_v2")
 @dataclasses.dataclass(frozen=True)
-class DeepSeekConfig:
+class DeepSeekConfig(FamilyConfig):
     vocab_size: int = 512
     embed: int = 64
     layers: int = 4

@@ -8,18 +8,20 @@ from flax import nnx
 
 from models.causal_lm import CausalLM, add_residual, layer_input
 from models.dtypes import dtype_from_name
-from models.family import model_family
+from models.family import FamilyConfig, model_family
 from models.layers.attention import GroupedQueryAttention
+from models.layers.attention_impl import STRATEGIES as ATTENTION_STRATEGIES
 from models.layers.attention_impl import AutoAttention, check_attention
 from models.layers.mlp import SwiGLU
 from models.layers.norm import RMSNorm
-from models.layers.rope import NoScaling
+from models.layers.rope import SCALINGS, NoScaling
 from models.layers.stack import LayerStack
 
 
-@model_family("llama", "pre-norm grouped-query attention + SwiGLU, RoPE")
+@model_family("llama", "pre-norm grouped-query attention + SwiGLU, RoPE",
+              parts=(*SCALINGS, *ATTENTION_STRATEGIES), hf_adapter="jaxtrain.hf.families.llama")
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(FamilyConfig):
     vocab_size: int = 512
     embed: int = 256
     layers: int = 4

@@ -9,7 +9,7 @@ from flax import nnx
 
 from models.causal_lm import CausalLM, add_residual, layer_input
 from models.dtypes import dtype_from_name
-from models.family import model_family
+from models.family import FamilyConfig, model_family
 from models.layers.mamba2 import Mamba2Mixer, SSMConfig
 from models.layers.norm import RMSNorm
 from models.layers.stack import LayerStack
@@ -40,9 +40,9 @@ class Mamba2Block(nnx.Module):
         return add_residual(x, update), cache
 
 
-@model_family("mamba2", "pure Mamba-2 language model")
+@model_family("mamba2", "pure Mamba-2 language model", parts=(SSMConfig,), hf_adapter="jaxtrain.hf.families.mamba2")
 @dataclasses.dataclass(frozen=True)
-class Mamba2Config:
+class Mamba2Config(FamilyConfig):
     vocab_size: int = 512
     embed: int = 64
     layers: int = 2

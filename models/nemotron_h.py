@@ -18,8 +18,9 @@ from flax import nnx
 
 from models.causal_lm import CausalLM, add_residual, layer_input
 from models.dtypes import dtype_from_name
-from models.family import model_family
+from models.family import FamilyConfig, model_family
 from models.layers.attention import GroupedQueryAttention
+from models.layers.attention_impl import STRATEGIES as ATTENTION_STRATEGIES
 from models.layers.attention_impl import AutoAttention, check_attention
 from models.layers.mamba2 import SSMConfig
 from models.layers.mlp import PlainMLP
@@ -32,9 +33,10 @@ from models.mamba2 import Mamba2Block
 KINDS = ("mamba", "attention", "mlp", "moe")
 
 
-@model_family("nemotron_h", "hybrid pattern of Mamba-2, attention, MLP and MoE blocks")
+@model_family("nemotron_h", "hybrid pattern of Mamba-2, attention, MLP and MoE blocks",
+              parts=(RouterConfig, SSMConfig, *ATTENTION_STRATEGIES), hf_adapter="jaxtrain.hf.families.nemotron_h")
 @dataclasses.dataclass(frozen=True)
-class NemotronHConfig:
+class NemotronHConfig(FamilyConfig):
     vocab_size: int = 512
     embed: int = 64
     pattern: tuple = ("mamba", "moe", "attention", "mlp")  # one kind per layer, in order

@@ -7,8 +7,8 @@ import jax
 import pytest
 from flax import nnx
 
-import jaxtrain.training.config  # noqa: F401  (registers the layer configurables with gin)
-from models.family import _FAMILIES, ModelConfig, families, family_of, model_family
+import jaxtrain.training.config  # noqa: F401  (the whole gin registry, as a run has it)
+from models.family import _FAMILIES, FamilyConfig, ModelConfig, families, family_of, model_family
 from models.llama import LlamaConfig, build_llama
 
 
@@ -46,8 +46,9 @@ def test_a_config_missing_part_of_the_protocol_is_refused_at_definition():
     with pytest.raises(TypeError, match="lacks \\['flops_per_token'\\]"):
         @model_family("broken", "")
         @dataclasses.dataclass(frozen=True)
-        class NoFlops:
+        class NoFlops(FamilyConfig):
             vocab_size: int = 8
+            remat: str = "none"
 
             def validate(self, mesh_sizes): ...
 
@@ -58,8 +59,9 @@ def test_a_config_missing_part_of_the_protocol_is_refused_at_definition():
     with pytest.raises(TypeError, match="param_count must take"):
         @model_family("broken", "")
         @dataclasses.dataclass(frozen=True)
-        class OldCount:
+        class OldCount(FamilyConfig):
             vocab_size: int = 8
+            remat: str = "none"
 
             def validate(self, mesh_sizes): ...
 

@@ -1,27 +1,26 @@
-"""The model families the HF bridge knows, found by scanning jaxtrain/hf/families/."""
+"""The model families the HF bridge knows: a view over the family records (models/family.py),
+each of which names its HF adapter module in jaxtrain/hf/families/."""
 from __future__ import annotations
 
 import functools
-import importlib
-import pkgutil
 
-from jaxtrain.hf import families as _families_pkg
 from jaxtrain.hf.errors import HFConfigError
 from jaxtrain.hf.mapping import Family
+from models.family import families as model_families
+from models.family import family_of
 
 
 @functools.lru_cache(maxsize=1)
 def families() -> dict[str, Family]:
-    """model_type -> Family, over every module in jaxtrain.hf.families that defines FAMILY."""
+    """model_type -> HF adapter, over every model family whose record names one."""
     found: dict[str, Family] = {}
-    for info in pkgutil.iter_modules(_families_pkg.__path__):
-        module = importlib.import_module(f"{_families_pkg.__name__}.{info.name}")
-        family = getattr(module, "FAMILY", None)
-        if family is None:
+    for spec in model_families().values():
+        adapter = spec.hf()
+        if adapter is None:
             continue
-        if family.model_type in found:
-            raise RuntimeError(f"two family modules claim model_type {family.model_type!r}")
-        found[family.model_type] = family
+        if adapter.model_type in found:
+            raise RuntimeError(f"two model families claim HF model_type {adapter.model_type!r}")
+        found[adapter.model_type] = adapter
     return found
 
 
@@ -34,9 +33,13 @@ def family_for_model_type(model_type: str | None, where: str = "config.json") ->
 
 
 def family_for_config(config) -> Family:
-    """The family whose config class `config` is an instance of."""
-    for family in families().values():
-        if isinstance(config, family.config_class):
-            return family
-    raise HFConfigError(f"no HF family handles {type(config).__name__} "
-                        f"(known: {', '.join(f.config_class.__name__ for f in families().values())})")
+    """The HF adapter of `config`'s model family."""
+    try:
+        spec = family_of(config)
+    except ValueError as e:
+        raise HFConfigError(str(e)) from None
+    adapter = spec.hf()
+    if adapter is None:
+        raise HFConfigError(f"model family {spec.name!r} ({type(config).__name__}) has no HF adapter "
+                            f"(known: {', '.join(f.config_class.__name__ for f in families().values())})")
+    return adapter

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import gin
+
 HALT, SKIP, ROLLBACK = "halt", "skip", "rollback"
 
 
@@ -39,6 +41,10 @@ class Rollback:
 
     def decide(self, consecutive: int, rollbacks: int) -> str:
         return ROLLBACK if rollbacks < self.max_rollbacks else HALT
+
+
+for _policy in (Halt, Skip, Rollback):  # named in gin files: `...nonfinite = @Skip()`
+    gin.external_configurable(_policy, module="jaxtrain")
 
 
 class NonFiniteTracker:

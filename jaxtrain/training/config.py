@@ -14,24 +14,16 @@ from jaxtrain.training.mesh_configurable import GinMeshConfig
 from jaxtrain.training.optim import OptimizerConfig
 from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.pipeline.config import PipelineConfig
-from jaxtrain.resilience.nonfinite import Halt, Rollback, Skip
+from jaxtrain.resilience.nonfinite import Halt
 from meshes.context_layout import AllGatherKV, ContextParallel, Contiguous, LoadBalanced, RingKV
 from meshes.mesh_config import MeshConfig
 from models.family import families
-from models.layers.attention_impl import AutoAttention, BlockwiseAttention, MaterializedAttention, PallasAttention
-from models.layers.mamba2 import SSMConfig
-from models.layers.rope import Llama3Scaling, LinearScaling, NoScaling, YarnScaling
-from models.layers.router import RouterConfig
 
-families()  # every model family registers its config with gin itself (models/family.py)
-# The layers' own configurables, shared by families:
-for _cls in (RouterConfig, SSMConfig, NoScaling, LinearScaling, Llama3Scaling, YarnScaling, AutoAttention,
-             BlockwiseAttention, MaterializedAttention, PallasAttention):
-    gin.external_configurable(_cls, module="models")
+# Each model family's record registers its config and the parts its gin files name with gin
+# (models/family.py); jaxtrain/resilience/nonfinite.py registers its policies itself.
+families()
 for _cls in (ContextParallel, Contiguous, LoadBalanced, RingKV, AllGatherKV):
     gin.external_configurable(_cls, module="meshes")
-for _cls in (Halt, Skip, Rollback):
-    gin.external_configurable(_cls, module="jaxtrain")
 GinDataConfig = gin.external_configurable(DataConfig, name="DataConfig", module="jaxtrain")
 GinOptimizerConfig = gin.external_configurable(OptimizerConfig, name="OptimizerConfig", module="jaxtrain")
 GinDeviceGroups = gin.external_configurable(DeviceGroups, name="DeviceGroups", module="jaxtrain")

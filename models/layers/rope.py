@@ -134,3 +134,7 @@ def apply_rope_interleaved(x, positions, inv_freq: np.ndarray, scale: float = 1.
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
     return rotated.reshape(x.shape).astype(x.dtype)
+
+
+# The frequency-scaling strategies, for the families whose gin files choose one (models/family.py).
+SCALINGS = (NoScaling, LinearScaling, Llama3Scaling, YarnScaling)
