@@ -3,6 +3,7 @@ the blended iterator's determinism across process counts and resumes."""
 from __future__ import annotations
 
 import random
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from jaxtrain.data import packing as data
 from jaxtrain.data.store import blend as blend_module
 from jaxtrain.data.store import loader
 from jaxtrain.data.store.blend import BlendSchedule
+from jaxtrain.data.store.blend_weights import MAX_PERIOD, integer_weights
 from jaxtrain.data.store.memory_source import MemorySource
 from jaxtrain.data.store.training_sources import parse_blend
 from jaxtrain.data.store.windows import WindowIndex
@@ -26,22 +28,43 @@ def rng():
 
 
 def brute_force_assignment(weights, count):
-    """The rule written out sample by sample: the source with the largest `w * (i + 1) - realized`
-    (the first on a tie; Megatron's helpers.cpp uses max(i, 1), which can drift past one sample)."""
-    weights = np.asarray(weights, np.float64) / np.sum(weights)
-    realized = np.zeros(len(weights), np.int64)
+    """The rule written out sample by sample in exact fractions: the source with the largest
+    `w * (i + 1) - realized` (the first on a tie; Megatron's helpers.cpp uses max(i, 1), which can
+    drift past one sample). A weight is the decimal the config writes."""
+    exact = [Fraction(repr(float(w))) for w in weights]
+    share = [w / sum(exact) for w in exact]
+    realized = [0] * len(share)
     sources, ranks = [], []
     for i in range(count):
-        j = int(np.argmax(weights * (i + 1) - realized))
+        lags = [w * (i + 1) - n for w, n in zip(share, realized)]
+        j = lags.index(max(lags))
         sources.append(j)
-        ranks.append(int(realized[j]))
+        ranks.append(realized[j])
         realized[j] += 1
     return np.array(sources), np.array(ranks)
 
 
+def decimal_weights(rng):
+    """2-6 weights of two decimals, as configs write them (a period of a few hundred samples)."""
+    return np.round(rng.uniform(0.05, 1.0, size=int(rng.integers(2, 7))), 2)
+
+
+def count_decisions(monkeypatch) -> list[int]:
+    """Patches blend.assign_block to count the samples it decides: [total so far]."""
+    decided = [0]
+    original = blend_module.assign_block
+
+    def counting(weights, counts, first, size):
+        decided[0] += size
+        return original(weights, counts, first, size)
+
+    monkeypatch.setattr(blend_module, "assign_block", counting)
+    return decided
+
+
 def test_assignment_follows_the_largest_lag_and_stays_within_one_sample(rng, monkeypatch):
     monkeypatch.setattr(blend_module, "_BLOCK", 64)  # many block boundaries in a short run
-    weights = rng.uniform(0.05, 1.0, size=int(rng.integers(2, 6)))
+    weights = decimal_weights(rng)
     count = 64 * 7 + int(rng.integers(1, 64))
     want_sources, want_ranks = brute_force_assignment(weights, count)
 
@@ -58,6 +81,50 @@ def test_assignment_follows_the_largest_lag_and_stays_within_one_sample(rng, mon
     prefix = np.arange(1, count + 1)[:, None]
     assert np.abs(counts - prefix * share).max() <= 1.0
     assert np.all(counts[-1] > 0)
+
+
+def test_a_resume_far_into_the_run_decides_one_period_at_most(rng, monkeypatch):
+    """A fresh schedule (a resumed run's) at sample n equals the uninterrupted assignment, and the
+    samples it decides to get there are bounded by one period, not by n."""
+    monkeypatch.setattr(blend_module, "_BLOCK", 64)
+    weights = decimal_weights(rng)
+    period = BlendSchedule(weights).period
+    count = 3 * period + int(rng.integers(2, period))
+    want_sources, want_ranks = brute_force_assignment(weights, count)
+    # The reference itself repeats: period p + A is p's source, each rank a_j further on.
+    hundredths = np.round(np.asarray(weights) * 100).astype(np.int64)
+    a = hundredths // np.gcd.reduce(hundredths)
+    assert a.sum() == period
+    np.testing.assert_array_equal(want_sources[period:], want_sources[:-period])
+    np.testing.assert_array_equal(want_ranks[period:], want_ranks[:-period] + a[want_sources[:-period]])
+
+    decided = count_decisions(monkeypatch)
+    first = count - int(rng.integers(1, min(period, 60)))
+    sources, ranks = BlendSchedule(weights).assign(first, count)
+    np.testing.assert_array_equal(sources, want_sources[first:])
+    np.testing.assert_array_equal(ranks, want_ranks[first:])
+    assert decided[0] <= period + 2 * 64 < count
+
+    decided[0] = 0
+    far = 10**15 + int(rng.integers(0, period))  # a step no run reaches sample by sample
+    sources, ranks = BlendSchedule(weights).assign(far, far + 40)
+    position = np.arange(far, far + 40) % period
+    np.testing.assert_array_equal(sources, want_sources[position])
+    np.testing.assert_array_equal(ranks, want_ranks[position] + (np.arange(far, far + 40) // period) * a[sources])
+    assert decided[0] <= period + 2 * 64
+
+
+def test_integer_weights():
+    assert integer_weights([0.7, 0.2, 0.1]).tolist() == [7, 2, 1]  # the decimals, not binary floats
+    assert integer_weights(["3", "1"]).tolist() == [3, 1]
+    assert integer_weights([1 / 3] * 3).tolist() == [1, 1, 1]
+    many_digits = [0.123456789, 0.5, 0.0000123]  # an exact period of ~1e12: rounded instead
+    a = integer_weights(many_digits)
+    assert a.sum() <= MAX_PERIOD + len(a) and np.all(a >= 1)  # (each rounded: up to half a unit more)
+    share = np.asarray(many_digits) / sum(many_digits)
+    assert np.abs(a / a.sum() - share).max() <= len(a) / MAX_PERIOD
+    with pytest.raises(ValueError, match="positive"):
+        integer_weights([0.5, 0.0])
 
 
 def small_source(rng, name, documents, low=3, high=20, vocab=50):
