@@ -35,9 +35,10 @@ import time
 import traceback
 
 from jaxtrain.resilience import exit_codes
+from jaxtrain.resilience.coordination_keys import PREFIX
+from jaxtrain.resilience.coordination_keys import one_line as _one_line
 from jaxtrain.resilience.exit_codes import RunStopped
 
-PREFIX = "jaxtrain/peers/"
 # Words in an exception's text that say it may come from another process (a dead peer, a lost
 # coordinator) rather than from this process's own work.
 _COMMUNICATION_WORDS = ("gloo", "nccl", "connection", "socket", "unavailable", "deadline", "peer",
@@ -59,11 +60,6 @@ def flush_and_exit(code: int) -> None:
         except Exception:
             pass
     os._exit(code)
-
-
-def _one_line(text: str, limit: int = 500) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class Peers:

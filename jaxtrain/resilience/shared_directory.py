@@ -8,7 +8,8 @@ import secrets
 import time
 
 from jaxtrain.resilience import exit_codes
-from jaxtrain.resilience.peers import PREFIX, _one_line
+from jaxtrain.resilience.coordination_keys import PREFIX
+from jaxtrain.resilience.coordination_keys import one_line as _one_line
 
 
 def check_shared_directory(peers, path: str) -> None:
