@@ -69,7 +69,6 @@ def main(argv=None) -> int:
     import jax
 
     from jaxtrain.cli.bench import bench_layout
-    from jaxtrain.planner.candidates import Candidate
     from jaxtrain.planner.cluster import Cluster
     from jaxtrain.planner.links import LinkTable
     from jaxtrain.planner.planner import Planner, Workload
@@ -93,7 +92,7 @@ def main(argv=None) -> int:
                               LinkTable(group.spec.intra_node_gbps, group.spec.inter_node_gbps))
             plan = ParallelPlan.from_experiment(exp).with_spec(spec)
             result = bench_layout(exp, plan, steps=0, compile_only=True, devices=jax.devices()[:n])
-            e = planner.evaluate(Candidate(plan, exp.model.remat))
+            e = planner.evaluate(plan)  # remat: the model's own
             collective = sum(v["bytes"] for v in result["executed"].values())
             host = f" (+{e.memory.optimizer_host / gib:.1f} host)" if e.memory.optimizer_host else ""
             planned_bytes = sum(e.time.bytes_by_kind.values())

@@ -56,6 +56,7 @@ class Run:
         `devices` may then list each group's devices."""
         if isinstance(plan, str):
             plan = ParallelPlan().with_spec(plan)
+        groups = groups if groups is not None else plan.device_groups()  # the plan's `groups=`
         sizes = plan.mesh.sizes().values()
         if devices is None and -1 not in sizes and groups is None:  # a fixed mesh takes the first devices it needs
             devices = jax.devices()[:plan.mesh.fixed_device_count()]

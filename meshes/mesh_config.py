@@ -25,14 +25,3 @@ class MeshConfig:
         """Devices the explicit sizes need (a -1 axis counts as 1)."""
         return math.prod(max(s, 1) for s in self.sizes().values())
 
-
-def spec_axis_sizes(spec: str) -> dict[str, int]:
-    """The mesh axes a layout spec string names (`"data=8,tensor=2,rules=fsdp"` -> data 8,
-    tensor 2, the other axes 1; {} when it names none), read without jax so the CLI can size the
-    simulated devices first. Malformed entries are left to ParallelPlan.with_spec to report."""
-    sizes = {}
-    for part in spec.split(","):
-        key, _, value = part.strip().partition("=")
-        if key in AXES and value.strip().isdigit():
-            sizes[key] = int(value)
-    return {**{a: 1 for a in AXES}, **sizes} if sizes else {}

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
-
 
 @dataclasses.dataclass(frozen=True)
 class GPipe:
@@ -40,6 +38,7 @@ class GPipe:
 
     def work(self, stage, tick, microbatches: int):
         """(microbatch, repeat, valid) of `stage` at `tick` (jnp scalars)."""
+        import jax.numpy as jnp  # here, not at the top: a schedule is a plan value, read before jax starts
         k = tick - stage
         return jnp.clip(k, 0, microbatches - 1), jnp.zeros_like(k), (k >= 0) & (k < microbatches)
 
@@ -65,6 +64,7 @@ class Interleaved:
         return (stages - 1) / self.ticks(stages, microbatches)
 
     def work(self, stage, tick, microbatches: int):
+        import jax.numpy as jnp
         k = jnp.maximum(tick - stage, 0)
         valid = (tick - stage >= 0) & (k < microbatches * self.virtual_stages)
         return k % microbatches, jnp.minimum(k // microbatches, self.virtual_stages - 1), valid

@@ -10,7 +10,6 @@ from flax import nnx
 
 from helpers import TINY_OPT, assert_finite, random_packed_batch
 from jaxtrain.training.parallel_plan import ParallelPlan
-from jaxtrain.pipeline.config import PipelineConfig
 from jaxtrain.training.state import abstract_model, map_with_path
 from jaxtrain.training.train_setup import build_train_setup
 
@@ -44,7 +43,7 @@ def run_steps(mesh_cfg, model, train, params0, *, pipeline=None, rules="dp", dev
     params on host, last metrics on host, final in-memory state, the TrainSetup). The losses and
     parameters must be finite (two NaN runs compare equal) unless `allow_nonfinite`."""
     plan = ParallelPlan(mesh=mesh_cfg, rules=rules, microbatches=train.microbatches,
-                        pipeline=pipeline or PipelineConfig(), context_parallel=train.context_parallel)
+                        context_parallel=train.context_parallel).with_pipeline(pipeline)
     setup = build_train_setup(model, plan, train, PIPELINE_OPT, devices if devices is not None else jax.devices())
     layout, state = setup.state, setup.state_from_params(params0)
     losses = []

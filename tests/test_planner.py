@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxtrain.cli import plan as plan_cli
-from jaxtrain.planner.candidates import Candidate, candidates
+from jaxtrain.planner.candidates import candidates
 from jaxtrain.planner.cluster import Cluster, ClusterError
 from jaxtrain.planner.layer_profile import profile_model
 from jaxtrain.planner.links import INTER, INTRA, LinkTable, axis_link
@@ -67,7 +67,7 @@ def test_state_bytes_equal_the_runs_own_shardings(models, family, spec):
     setup = build_train_setup(model, plan, TrainConfig(global_batch=16, seq_len=32), OptimizerConfig())
     params = audit_sharding(setup.state.abstract["params"], name="params")
     opt = audit_sharding(setup.state.abstract["opt_state"], name="opt")
-    planned = _planner(model).state(Candidate(plan, "none"))
+    planned = _planner(model).state(dataclasses.replace(plan, remat="none"))
     assert planned.params == params.bytes_per_device > 0
     assert planned.optimizer == opt.bytes_per_device
     assert planned.optimizer_host == opt.host_bytes_per_device
@@ -197,7 +197,7 @@ def test_ranked_layouts_fit_and_are_fastest_first(models):
     assert times == sorted(times)
     assert not any(e.fits for e in ranked[len(fitting):])
     # layouts a run refuses are not ranked: heads=4 cannot split over tensor=8
-    assert all(e.candidate.plan.mesh.tensor <= 4 for e in ranked)
+    assert all(e.candidate.mesh.tensor <= 4 for e in ranked)
     assert any("heads" in reason or "divisible" in reason for reason in planner.refused)
 
 
@@ -207,7 +207,7 @@ def test_cli_prints_the_table_and_the_gin_bindings(tmp_path, capsys):
                           "--remat", "full", f"--json={out_json}"]) == 0
     out = capsys.readouterr().out
     assert "layouts can run" in out and "tok/s/dev" in out
-    assert 'Experiment.layout = "pipeline=' in out and 'LlamaConfig.remat = "full"' in out
+    assert 'Experiment.layout = "pipeline=' in out and ',remat=full,' in out  # remat: part of the plan
     records = [json.loads(line) for line in out_json.read_text().splitlines()]
     best = records[0]
     assert best["fits"] and best["layout"] in out
@@ -223,8 +223,9 @@ def test_cli_on_a_mixed_cluster_balances_the_shares(tmp_path, capsys):
     assert plan_cli.main(["--gin_file=configs/llama3_8b.gin", f"--cluster={path}", "--global_batch", "32",
                           "--remat", "full", "--no_host_offload", "--top", "3"]) == 0
     out = capsys.readouterr().out
-    shares = json.loads(out.split("DeviceGroups.rows = ")[1].split("\n")[0].replace("(", "[").replace(")", "]"))
-    assert sum(shares) == 32 and shares[0] > shares[1]  # the H100s take the larger share
+    plan = ParallelPlan.parse(json.loads(out.split("Experiment.layout = ")[1].split("\n")[0]))  # the whole plan
+    assert sum(plan.groups) == 32 and plan.groups[0] > plan.groups[1]  # the H100s take the larger share
+    assert plan.remat == "full"
     assert "pipeline across the groups" in out and "cannot give that stage fewer layers" in out
 
 
@@ -311,7 +312,7 @@ def test_expert_exchange_rows_are_what_the_traced_step_receives(models, capacity
 
     traced = set(all_to_all_rows(jaxpr.jaxpr))
     planner = _planner(model)
-    candidate = Candidate(plan, "none")
+    candidate = dataclasses.replace(plan, remat="none")
     state = planner.state(candidate)
     moe = next(k for k in planner.profile.kinds if k.top_k)
     assert moe.capacity_factor == capacity_factor

@@ -17,7 +17,6 @@ import dataclasses
 import gin
 import pytest
 
-from jaxtrain.planner.candidates import Candidate
 from jaxtrain.planner.cluster import Cluster
 from jaxtrain.planner.candidates import candidates
 from jaxtrain.planner.links import LinkTable
@@ -72,7 +71,7 @@ def measured():
                                              global_batch=exp.train.global_batch, has_experts=planner.has_experts))
             picks = ranked[:3]
         else:
-            picks = [planner.evaluate(Candidate(ParallelPlan.from_experiment(exp).with_spec(spec), exp.model.remat))
+            picks = [planner.evaluate(exp.plan.with_spec(spec).with_spec(f"remat={exp.model.remat}"))
                      for model, spec in FIXED if model == name]
         for e in picks:
             assert e.ok, (name, e.error)
@@ -105,7 +104,7 @@ def test_argument_memory_within_3_percent_of_xla(measured):
         assert "error" not in compiled, (name, label, compiled)
         error = predicted.arguments / GIB / compiled["argument_gb"] - 1
         assert abs(error) <= 0.03, (name, label, error)
-        plan = e.candidate.plan
+        plan = e.candidate
         kinds |= {"pipeline" if plan.mesh.pipeline > 1 else "no pipeline", plan.rules.split("+")[0]}
         kinds |= {"experts folded"} if "experts_folded" in plan.rules else set()
     assert {"pipeline", "no pipeline", "fsdp", "experts folded"} <= kinds, kinds

@@ -154,7 +154,6 @@ def test_the_issues_moe_pipeline_without_remat():
     feel that term; here it is half the temp)."""
     import gin
 
-    from jaxtrain.planner.candidates import Candidate
     from jaxtrain.training.config import load_experiment, parse_gin
     from jaxtrain.training.parallel_plan import ParallelPlan
 
@@ -167,8 +166,7 @@ def test_the_issues_moe_pipeline_without_remat():
     t = exp.train
     planner = Planner(Workload(exp.model, t.global_batch, t.seq_len, t.loss_chunk, exp.optimizer), H100_X16,
                       LinkTable(H100_X16.spec.intra_node_gbps, H100_X16.spec.inter_node_gbps))
-    candidate = Candidate(ParallelPlan.from_experiment(exp).with_spec(
-        "pipeline=2,data=8,rules=zero1+experts_folded,microbatches=4"), "none")
+    candidate = exp.plan.with_spec("pipeline=2,data=8,rules=zero1+experts_folded,microbatches=4,remat=none")
     predicted = planner.memory(candidate, planner.state(candidate), CPU)
     compiled = compiled_memory(exp, candidate)
     row = {"model": exp.model, "label": candidate.label(), "args": predicted.arguments / GIB,
@@ -181,14 +179,13 @@ def test_the_issues_moe_pipeline_without_remat():
 def _draw_6_at(global_batch: int, layout: str, remat: str) -> tuple[float, dict]:
     """Draw 6's model (Nemotron-H, bf16, 32 experts top-4) at `global_batch`: the planner's CPU
     temp (GiB) and XLA's compiled figures for `layout`."""
-    from jaxtrain.planner.candidates import Candidate
     from jaxtrain.training.parallel_plan import ParallelPlan
 
     model = draw_model(np.random.default_rng(SEED + 6))
     train = TrainConfig(global_batch=global_batch, seq_len=TRAIN.seq_len, loss_chunk=TRAIN.loss_chunk)
     planner = Planner(Workload(model, train.global_batch, train.seq_len, train.loss_chunk), H100_X16,
                       LinkTable(H100_X16.spec.intra_node_gbps, H100_X16.spec.inter_node_gbps))
-    candidate = Candidate(ParallelPlan.parse(layout), remat)
+    candidate = ParallelPlan.parse(layout).with_spec(f"remat={remat}")
     predicted = planner.memory(candidate, planner.state(candidate), CPU)
     compiled = compiled_memory(Experiment(model=model, train=train, optimizer=OptimizerConfig()), candidate)
     assert "error" not in compiled and np.isfinite(compiled["temp_gb"]) and compiled["temp_gb"] > 0, compiled
@@ -258,7 +255,6 @@ def test_compiled_memory_says_when_xla_replicated_a_value(monkeypatch):
     import os
 
     import jaxtrain.cli.bench as bench
-    from jaxtrain.planner.candidates import Candidate
     from jaxtrain.training.parallel_plan import ParallelPlan
 
     figures = {"argument_gb": 1.0, "temp_gb": 2.0, "compile_s": 0.1}
@@ -268,7 +264,7 @@ def test_compiled_memory_says_when_xla_replicated_a_value(monkeypatch):
         return figures
 
     experiment = Experiment(model=LlamaConfig(), train=TRAIN, optimizer=OptimizerConfig())
-    candidate = Candidate(ParallelPlan.parse("data=16,rules=dp"), "none")
+    candidate = ParallelPlan.parse("data=16,rules=dp,remat=none")
     monkeypatch.setattr(bench, "bench_layout", compile_warning)
     assert compiled_memory(experiment, candidate) == {**figures, "involuntary_remat": True}
     monkeypatch.setattr(bench, "bench_layout", lambda exp, plan, **kw: figures)

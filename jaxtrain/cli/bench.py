@@ -1,8 +1,8 @@
 """`python -m jaxtrain.bench step --gin_file=F [--layout data=8,tensor=2,rules=fsdp ...] [--compile_only]`
 `python -m jaxtrain.bench collectives --mesh data=4,tensor=4 [...]`: see jaxtrain/cli/bench_collectives.py.
 
-Each --layout is a ParallelPlan spec string (jaxtrain/training/parallel_plan.py) applied over the
-config's own plan, plus `attention=` for the model. For each layout (default: the config's own), compiles the train step on abstract arrays and
+Each --layout is a ParallelPlan spec string (jaxtrain/training/parallel_plan.py; every key in
+jaxtrain/training/plan_keys.py) applied over the config's own plan. For each layout (default: the config's own), compiles the train step on abstract arrays and
 prints XLA's per-device memory (arguments, outputs, temporaries) and collective counts; unless
 --compile_only, also runs it and prints step time, tokens/s and MFU. A layout may also set the
 pipeline: `pipeline=4,schedule=interleaved2,microbatches=8,split=7/7/7/6` (the pipeline
@@ -27,43 +27,16 @@ import time
 
 from jaxtrain.cli import bench_collectives
 from jaxtrain.cli.launch import add_common_flags, fail, simulate_cpu_devices, start
-from meshes.mesh_config import spec_axis_sizes
-
-ATTENTION_KEYS = ("materialized", "blockwise", "pallas", "pallas_interpret", "auto")
-
-
-def split_spec(spec: str) -> tuple[str, str | None]:
-    """(the ParallelPlan part of a --layout spec, the attention implementation it names or None):
-    attention is a model setting the bench lets a layout change too."""
-    plan_parts, attention = [], None
-    for part in filter(None, spec.split(",")):
-        key, _, value = part.partition("=")
-        if key == "attention":
-            if value not in ATTENTION_KEYS:
-                raise ValueError(f"layout {spec!r}: attention={value!r}: choose one of {'|'.join(ATTENTION_KEYS)}")
-            attention = value
-        else:
-            plan_parts.append(part)
-    return ",".join(plan_parts), attention
+from jaxtrain.training.parallel_plan import ParallelPlan
 
 
 def apply_layout(base, spec: str):
-    """(experiment, ParallelPlan): `base` with a --layout spec applied over its own plan."""
+    """(experiment, ParallelPlan): `base` with a --layout spec applied over its own plan, the
+    plan's model overrides (remat=, attention=) in the experiment's model."""
     import dataclasses
 
-    from jaxtrain.training.parallel_plan import ParallelPlan
-
-    plan_spec, attention = split_spec(spec)
-    exp = base if attention is None else dataclasses.replace(
-        base, model=dataclasses.replace(base.model, attention=_attention(attention)))
-    return exp, ParallelPlan.from_experiment(base).with_spec(plan_spec)
-
-
-def _attention(name: str):
-    from models.layers import attention_impl as impl
-    return {"materialized": impl.MaterializedAttention(), "blockwise": impl.BlockwiseAttention(),
-            "pallas": impl.PallasAttention(), "pallas_interpret": impl.PallasAttention(interpret=True),
-            "auto": impl.AutoAttention()}[name]
+    plan = base.plan.with_spec(spec)
+    return dataclasses.replace(base, model=plan.apply_to_model(base.model)), plan
 
 
 def layout_devices(plan, available=None):
@@ -189,14 +162,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.what == "collectives":
         return _collectives(args)
-    sizes = [spec_axis_sizes(spec) for spec in args.layout]
-    if any(sizes):
-        simulate_cpu_devices(max(math.prod(s.values()) for s in sizes if s))
-    from jaxtrain.training.parallel_plan import ParallelPlan  # imports jax, but starts no backend
-
     try:  # every spec readable before anything starts
-        for spec in args.layout:
-            ParallelPlan().with_spec(split_spec(spec)[0])
+        plans = [ParallelPlan().with_spec(spec) for spec in args.layout]
     except ValueError as e:
         fail(str(e))
     start(args)
@@ -205,6 +172,9 @@ def main(argv=None) -> int:
 
     from jaxtrain.training.config import load_experiment
 
+    sized = [p.device_count() for p in plans if p.mesh.sizes() != ParallelPlan().mesh.sizes()]
+    if sized:  # the largest mesh a layout names (the others: the config's own mesh sizes the devices)
+        simulate_cpu_devices(max(sized))
     try:
         base = load_experiment()
     except ValueError as e:

@@ -78,7 +78,6 @@ def main(argv=None) -> int:
 
     from jaxtrain.training.config import load_experiment
     from jaxtrain.data.packing import tokenize_text_stream
-    from jaxtrain.training.parallel_plan import ParallelPlan
     from jaxtrain.data.tokenizer import load_tokenizer
     from jaxtrain.training.device_groups import split_devices
     from jaxtrain.training.train_setup import build_train_setup
@@ -87,10 +86,10 @@ def main(argv=None) -> int:
         exp = load_experiment()
         seq_len = args.seq_len or exp.train.seq_len
         batch_size = args.batch_size or exp.train.global_batch
-        plan = ParallelPlan.from_experiment(exp)
+        plan = dataclasses.replace(exp.plan, groups=())
         devices = None
-        if exp.groups is not None and exp.groups.rows:  # a run over device groups: its first group's layout
-            devices = split_devices(jax.devices(), len(exp.groups.rows), plan.mesh)[0]
+        if exp.plan.groups:  # a run over device groups: its first group's layout
+            devices = split_devices(jax.devices(), len(exp.plan.groups), plan.mesh)[0]
         # The run's own layout, sized for the eval windows (checked here, before any restore).
         setup = build_train_setup(exp.model, plan,
                                   dataclasses.replace(exp.train, seq_len=seq_len, global_batch=batch_size),

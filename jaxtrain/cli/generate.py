@@ -128,9 +128,11 @@ def main(argv=None) -> int:
         if not os.path.isdir(args.hf_dir):
             fail(f"--hf_dir {args.hf_dir}: not a directory")
         if args.layout:
-            from meshes.mesh_config import spec_axis_sizes
-            import math
-            simulate_cpu_devices(math.prod(spec_axis_sizes(args.layout).values()) or 1)
+            from jaxtrain.training.parallel_plan import ParallelPlan
+            try:
+                simulate_cpu_devices(ParallelPlan.parse(args.layout).device_count())
+            except ValueError as e:
+                fail(str(e))
 
     from jaxtrain.generate import loading
 

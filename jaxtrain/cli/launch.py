@@ -7,7 +7,6 @@ gin before jax starts), or every started one exits with exit_codes.PEER and one 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import socket
@@ -47,7 +46,7 @@ def simulate_devices_if_needed(gin_files, gin_params, num_processes: int) -> Non
     per process. GPU/TPU backends ignore it."""
     import gin
     from jaxtrain.training.mesh_configurable import GinMeshConfig
-    from meshes.mesh_config import spec_axis_sizes
+    from jaxtrain.training.parallel_plan import ParallelPlan
 
     for path in gin_files:
         if not os.path.exists(path):
@@ -55,13 +54,12 @@ def simulate_devices_if_needed(gin_files, gin_params, num_processes: int) -> Non
     try:
         gin.add_config_file_search_path(REPO_ROOT)  # bundled includes
         gin.parse_config_files_and_bindings(gin_files, gin_params, skip_unknown=True, finalize_config=False)
-        needed = GinMeshConfig().fixed_device_count()
-        layout = gin_binding(gin_files, gin_params, "Experiment", "layout", None)
-        if isinstance(layout, str) and spec_axis_sizes(layout):  # the plan's spec string overrides
-            needed = math.prod(spec_axis_sizes(layout).values())
         rows = gin_binding(gin_files, gin_params, "DeviceGroups", "rows", ())
-        if isinstance(rows, (tuple, list)) and rows:  # the mesh is one device group's
-            needed *= len(rows)
+        plan = ParallelPlan(mesh=GinMeshConfig(), groups=tuple(rows) if isinstance(rows, (tuple, list)) else ())
+        layout = gin_binding(gin_files, gin_params, "Experiment", "layout", None)
+        if isinstance(layout, str):  # the plan's spec string on top (mesh axes, groups=)
+            plan = plan.with_spec(layout)
+        needed = plan.device_count()  # the mesh is one device group's
     except Exception:  # the strict parse after jax starts reports config errors clearly
         needed = 1
     finally:

@@ -90,7 +90,6 @@ def main(argv=None) -> int:
             links = links.with_measurements(path, group.spec.devices_per_node)
     except (OSError, ValueError) as e:
         fail(str(e))
-    model_class = type(exp.model).__name__
     print(f"# {type(exp.model).__name__} ({exp.model.param_count() / 1e9:.2f}B parameters, "
           f"{exp.model.param_count(active_only=True) / 1e9:.2f}B active), batch {train.global_batch} x {train.seq_len}; "
           f"cluster {cluster.describe()}; links {links.source}", flush=True)
@@ -134,7 +133,7 @@ def main(argv=None) -> int:
     print("\n# gin bindings of the best three:")
     for i, e in enumerate(ranked[:3], 1):
         if e.fits:
-            print(f"# {i}\n{gin_bindings(e, model_class)}")
+            print(f"# {i}\n{gin_bindings(e)}")
     if args.json:
         checked = {id(v.evaluation): v for v in verified}
         with open(args.json, "w") as f:

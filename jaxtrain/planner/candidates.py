@@ -1,8 +1,9 @@
 """The layouts the planner considers for a model on a number of devices.
 
-A candidate is a ParallelPlan (the five axis sizes, a rule table with overlays, microbatches,
-the pipeline schedule) plus the model's remat policy. The search space is what a person would
-try by hand, written down:
+A candidate is a ParallelPlan: the five axis sizes, a rule table with overlays, microbatches,
+the pipeline schedule and the model's remat policy (`plan.remat`, which overrides the model
+config's where the model is built). The search space is what a person would try by hand, written
+down:
 
     tensor      within a node (divides devices_per_node), never more than 8
     pipeline    1, 2, 4, 8 stages (at most the layers), GPipe or interleaved with 2 passes
@@ -25,36 +26,13 @@ import itertools
 
 from jaxtrain.planner.layer_profile import pipelined_policy
 from jaxtrain.training.parallel_plan import ParallelPlan
-from meshes.mesh_config import AXES, MeshConfig
+from meshes.mesh_config import MeshConfig
 from meshes.pipeline_schedules import GPipe, Interleaved
 
 REMAT_POLICIES = ("none", "dots_no_batch", "full", "offload_dots")
 BASE_RULES = ("dp", "zero1", "fsdp")
 SEQUENCE_PARALLEL = ("dp_sp", "fsdp_sp")
 HOST_OPTIMIZER_BASES = ("zero1", "fsdp")
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    plan: ParallelPlan
-    remat: str
-
-    def spec(self) -> str:
-        return self.plan.spec()
-
-    def label(self) -> str:
-        """The plan spec without axes of size 1 or defaults, plus the remat policy."""
-        sizes = self.plan.mesh.sizes()
-        parts = [f"{a}={sizes[a]}" for a in AXES if sizes[a] > 1] or ["data=1"]
-        parts.append(f"rules={self.plan.rules}")
-        if self.plan.microbatches > 1:
-            parts.append(f"microbatches={self.plan.microbatches}")
-        if sizes["pipeline"] > 1:
-            s = self.plan.pipeline.schedule
-            parts.append("schedule=" + ("gpipe" if isinstance(s, GPipe) else f"interleaved{s.virtual_stages}"))
-            if self.plan.pipeline.stages_layers:
-                parts.append("split=" + "/".join(map(str, self.plan.pipeline.stages_layers)))
-        return ",".join(parts) + f" remat={self.remat}"
 
 
 def _divisors(n: int) -> list[int]:
@@ -104,7 +82,7 @@ def schedules(pipeline: int, layers: int):
 def candidates(devices: int, *, devices_per_node: int, layers: int, seq_len: int, global_batch: int,
                has_experts: bool, remats=REMAT_POLICIES, host_optimizer: bool = True,
                base: ParallelPlan = ParallelPlan()):
-    """Every Candidate of the search space (module docstring)."""
+    """Every plan of the search space (module docstring), `base`'s other settings kept."""
     for sizes in axis_sizes(devices, devices_per_node=devices_per_node, layers=layers, seq_len=seq_len,
                             has_experts=has_experts):
         mesh = MeshConfig(**sizes)
@@ -115,6 +93,5 @@ def candidates(devices: int, *, devices_per_node: int, layers: int, seq_len: int
                 schedules(sizes["pipeline"], layers), remats):
             if sizes["pipeline"] > 1 and pipelined_policy(remat, schedule.virtual_stages) != remat:
                 continue  # the same program as another policy's inside a pipeline stage
-            pipeline = dataclasses.replace(base.pipeline, schedule=schedule, stages_layers=None)
-            yield Candidate(dataclasses.replace(base, mesh=mesh, rules=rules, microbatches=microbatches,
-                                                pipeline=pipeline), remat)
+            yield dataclasses.replace(base, mesh=mesh, rules=rules, microbatches=microbatches, schedule=schedule,
+                                      split=None, remat=remat)

@@ -24,17 +24,18 @@ import dataclasses
 import json
 import math
 
-from jaxtrain.planner.candidates import Candidate, candidates
+from jaxtrain.planner.candidates import candidates
 from jaxtrain.planner.cluster import Cluster, ClusterError
 from jaxtrain.planner.links import BETWEEN_GROUPS, LinkTable
 from jaxtrain.planner.planner import NoLayoutFits, Planner, Workload
+from jaxtrain.training.parallel_plan import ParallelPlan
 
 GIB = 2 ** 30
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupPlan:
-    candidate: Candidate  # the within-group layout (its batch: one microbatch of the step)
+    candidate: ParallelPlan  # the within-group layout (its batch: one microbatch of the step)
     microbatches: int  # of the whole step
     microbatch_seconds: tuple[float, ...]  # per group
     balanced: tuple[int, ...]  # microbatches per group
@@ -43,6 +44,12 @@ class GroupPlan:
     peak_bytes: tuple[float, ...]  # per group, balanced shares
     fits: bool
     measured: bool  # shares from a calibration run
+
+    def plan(self, rows: int) -> ParallelPlan:
+        """The run's plan: the within-group layout over the step's microbatches of `rows` rows,
+        each group taking its balanced share."""
+        return dataclasses.replace(self.candidate, microbatches=self.microbatches,
+                                   groups=tuple(m * rows for m in self.balanced))
 
     def step_seconds(self, shares) -> float:
         return max(m * t for m, t in zip(shares, self.microbatch_seconds)) + self.sync_seconds
@@ -102,7 +109,7 @@ def plan_groups(workload: Workload, cluster: Cluster, links: LinkTable, *, remat
         for c in candidates(n, devices_per_node=min(g.spec.devices_per_node for g in groups),
                             layers=planners[0].layers, seq_len=workload.seq_len, global_batch=rows,
                             has_experts=planners[0].has_experts, remats=remats, host_optimizer=host_optimizer):
-            if c.plan.mesh.pipeline > 1 or c.plan.microbatches > 1:
+            if c.mesh.pipeline > 1 or c.microbatches > 1:
                 continue  # one microbatch per program call; the pipeline stays within one program
             evaluations = [p.evaluate(c) for p in planners]
             if not all(e.ok for e in evaluations):
@@ -117,7 +124,7 @@ def plan_groups(workload: Workload, cluster: Cluster, links: LinkTable, *, remat
             sync = planners[0].links.seconds(BETWEEN_GROUPS, 2 * (len(groups) - 1) / len(groups) * grads)
             peaks = []
             for p, m in zip(planners, balanced):
-                accumulate = dataclasses.replace(c, plan=dataclasses.replace(c.plan, microbatches=m))
+                accumulate = dataclasses.replace(c, microbatches=m)
                 peaks.append(p.memory(accumulate, p.state(c), global_batch=rows * m).peak * (1 + p.margin))
             fits = all(peak <= p.budget for peak, p in zip(peaks, planners))
             out.append(GroupPlan(c, count, tuple(seconds), balanced, even, sync, tuple(peaks), fits,
@@ -148,7 +155,7 @@ def plan_mixed(workload: Workload, cluster: Cluster, links: LinkTable, *, remats
             break
         rows = workload.global_batch // gp.microbatches
         shares = "/".join(str(m * rows) for m in gp.balanced)
-        lines.append(f"{i:>3}  {gp.candidate.label().rsplit(' remat=', 1)[0]:<48} {gp.candidate.remat:<13} "
+        lines.append(f"{i:>3}  {gp.candidate.label(omit=('remat',)):<48} {gp.candidate.remat:<13} "
                      f"{gp.microbatches:>3} {rows:>7} {shares:<18} {gp.step_seconds(gp.balanced):>7.3f} "
                      f"{gp.step_seconds(gp.even):>11.3f} {gp.step_seconds(gp.even) / gp.step_seconds(gp.balanced):>5.2f}x "
                      f"{'/'.join(f'{p / GIB:.0f}' for p in gp.peak_bytes):>16}")
@@ -167,8 +174,7 @@ def plan_mixed(workload: Workload, cluster: Cluster, links: LinkTable, *, remats
         f"give that stage fewer layers without padding slots that cost the same time, so data-parallel balance "
         f"is the choice",
         "", "# gin bindings:",
-        f'Experiment.layout = "{dataclasses.replace(best.candidate.plan, microbatches=best.microbatches).spec()}"',
-        f"{type(workload.model).__name__}.remat = \"{best.candidate.remat}\"",
-        f"DeviceGroups.rows = {tuple(m * rows for m in best.balanced)}",
+        # the whole plan: the within-group layout, the step's microbatches, remat and each group's rows
+        f'Experiment.layout = "{best.plan(rows).spec()}"',
     ]
     return "\n".join(lines)

@@ -14,20 +14,20 @@ import dataclasses
 import functools
 import math
 
-from jaxtrain.planner.candidates import Candidate
 from jaxtrain.planner.cluster import DeviceGroup
 from jaxtrain.planner.layer_profile import ModelProfile, profile_model
 from jaxtrain.planner.links import LinkTable
 from jaxtrain.planner.memory_model import GPU, MemoryEstimate, Platform, estimate_memory
 from jaxtrain.planner.state_bytes import StateBytes, state_bytes, state_shapes
 from jaxtrain.planner.time_model import Efficiency, StepTime, estimate_time
+from jaxtrain.training.parallel_plan import ParallelPlan
 from meshes.rules import ShardingRuleError, get_rule_set
 from models.stage_program import layer_cost, layer_stacks
 
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    model: object  # a model config (its `remat` is what the candidates vary)
+    model: object  # a model config (a candidate plan's `remat` overrides its own)
     global_batch: int
     seq_len: int
     loss_chunk: int = 1024
@@ -36,7 +36,7 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True)
 class Evaluation:
-    candidate: Candidate
+    candidate: ParallelPlan  # the layout evaluated (its remat: the policy, None the model's)
     memory: MemoryEstimate | None = None
     time: StepTime | None = None
     claimed_bytes: float = math.inf  # peak x (1 + margin)
@@ -86,43 +86,45 @@ class Planner:
         per_pass = sum(cost[k] for k in plan.pattern)
         return plan.repeats, len(plan.pattern), per_pass * stages * plan.repeats / total
 
-    def state(self, candidate: Candidate) -> StateBytes:
-        sizes = candidate.plan.mesh.sizes()
-        return state_bytes(self._shapes(sizes["pipeline"], candidate.plan.pipeline if sizes["pipeline"] > 1 else None),
-                           sizes, get_rule_set(candidate.plan.rules))
+    def policy(self, plan: ParallelPlan) -> str:
+        """The remat policy a plan runs the model with (its own, or the model config's)."""
+        return plan.apply_to_model(self.workload.model).remat
 
-    def memory(self, candidate: Candidate, state: StateBytes, platform: Platform | None = None,
+    def state(self, plan: ParallelPlan) -> StateBytes:
+        sizes = plan.mesh.sizes()
+        return state_bytes(self._shapes(sizes["pipeline"], plan.pipeline if sizes["pipeline"] > 1 else None),
+                           sizes, get_rule_set(plan.rules))
+
+    def memory(self, plan: ParallelPlan, state: StateBytes, platform: Platform | None = None,
                global_batch: int | None = None) -> MemoryEstimate:
         """`global_batch`: another batch than the workload's (a device group's share)."""
-        plan, w = candidate.plan, self.workload
+        w = self.workload
         sizes = plan.mesh.sizes()
-        ticks, passes, work = self._ticks(candidate)
-        return estimate_memory(self.profile, state, policy=candidate.remat, sizes=sizes, rules_name=plan.rules,
+        ticks, passes, work = self._ticks(plan)
+        return estimate_memory(self.profile, state, policy=self.policy(plan), sizes=sizes, rules_name=plan.rules,
                                global_batch=global_batch or w.global_batch, seq_len=w.seq_len,
                                microbatches=plan.microbatches, loss_chunk=w.loss_chunk, platform=platform or self.platform, pipeline_ticks=ticks,
                                pipeline_passes=passes, pipeline_work=work)
 
-    def _ticks(self, candidate: Candidate) -> tuple[int, int, float]:
-        plan = candidate.plan
+    def _ticks(self, plan: ParallelPlan) -> tuple[int, int, float]:
         stages = plan.mesh.pipeline
         if stages == 1:
             return 0, 1, 1.0
         passes, _, work = self._pipeline_shape(stages, plan.pipeline)
         return plan.pipeline.schedule.ticks(stages, plan.microbatches), passes, work
 
-    def evaluate(self, candidate: Candidate) -> Evaluation:
-        plan, w = candidate.plan, self.workload
+    def evaluate(self, plan: ParallelPlan) -> Evaluation:
+        w = self.workload
         sizes = plan.mesh.sizes()
-        model = dataclasses.replace(w.model, remat=candidate.remat)
         try:
-            plan.validate(model, global_batch=w.global_batch, seq_len=w.seq_len, mesh_shape=sizes)
-            state = self.state(candidate)
-            memory = self.memory(candidate, state)
+            plan.validate(w.model, global_batch=w.global_batch, seq_len=w.seq_len, mesh_shape=sizes)
+            state = self.state(plan)
+            memory = self.memory(plan, state)
         except (ValueError, ShardingRuleError) as e:
-            return Evaluation(candidate, error=str(e).split("\n")[0])
-        ticks, passes, work = self._ticks(candidate)
+            return Evaluation(plan, error=str(e).split("\n")[0])
+        ticks, passes, work = self._ticks(plan)
         host = memory.optimizer_host + memory.host_activations
-        time = estimate_time(self.profile, state, policy=candidate.remat, flops_per_token=self.flops_per_token,
+        time = estimate_time(self.profile, state, policy=self.policy(plan), flops_per_token=self.flops_per_token,
                              sizes=sizes, global_batch=w.global_batch, seq_len=w.seq_len,
                              microbatches=plan.microbatches, peak_flops=self.group.spec.peak_flops, links=self.links,
                              devices_per_node=self.group.spec.devices_per_node, host_bytes=host,
@@ -131,7 +133,7 @@ class Planner:
         claimed = memory.peak * (1 + self.margin)
         devices = math.prod(sizes.values())
         tokens = w.global_batch * w.seq_len / time.total
-        return Evaluation(candidate, memory, time, claimed, claimed <= self.budget, tokens / devices,
+        return Evaluation(plan, memory, time, claimed, claimed <= self.budget, tokens / devices,
                           self.flops_per_token * tokens / (self.group.spec.peak_flops * devices))
 
     def rank(self, candidates) -> list[Evaluation]:

@@ -3,6 +3,7 @@ predicted-against-compiled table of `--verify`."""
 from __future__ import annotations
 
 from jaxtrain.planner.planner import Evaluation
+from jaxtrain.training.plan_keys import BY_NAME
 
 GIB = 2 ** 30
 
@@ -21,20 +22,25 @@ def ranked_table(ranked: list[Evaluation], top: int) -> str:
             exposed = ", ".join(filter(None, [exposed, f"bubble {1e3 * t.bubble:.0f} ms"]))
         if t.hidden_comm > t.compute:
             exposed = ", ".join(filter(None, [exposed, f"unhidden {1e3 * (t.hidden_comm - t.compute):.0f} ms"]))
-        layout = e.candidate.label().rsplit(" remat=", 1)[0]
+        layout, remat = e.candidate.label(omit=("remat",)), _remat(e)
         optimizer = f"{m.optimizer / GIB:.1f}"
         if m.optimizer_host:
             optimizer = f"{m.optimizer_host / GIB:.0f}h"  # in host memory
-        lines.append(f"{i:>3}  {layout:<62} {e.candidate.remat:<13} {m.params / GIB:>6.1f} {optimizer:>6} "
+        lines.append(f"{i:>3}  {layout:<62} {remat:<13} {m.params / GIB:>6.1f} {optimizer:>6} "
                      f"{m.gradients / GIB:>6.1f} {m.saved_activations / GIB:>6.1f} {m.temp / GIB:>6.1f} "
                      f"{m.peak / GIB:>6.1f} {e.claimed_bytes / GIB:>6.1f} {'yes' if e.fits else 'no':>4} "
                      f"{t.total:>7.3f} {e.tokens_per_sec_per_device:>9.0f} {100 * e.mfu:>4.0f}%  {exposed or '-'}")
     return "\n".join(lines)
 
 
-def gin_bindings(e: Evaluation, model_class: str) -> str:
-    """What to put in a gin file (or pass as --gin_param) to run this layout."""
-    return f'Experiment.layout = "{e.candidate.spec()}"\n{model_class}.remat = "{e.candidate.remat}"'
+def _remat(e: Evaluation) -> str:
+    return BY_NAME["remat"].format(e.candidate.remat)  # "model": the model config's own
+
+
+def gin_bindings(e: Evaluation) -> str:
+    """What to put in a gin file (or pass as --gin_param) to run this layout: its whole plan,
+    the remat policy included."""
+    return f'Experiment.layout = "{e.candidate.spec()}"'
 
 
 def verify_table(verified: list) -> str:
@@ -45,14 +51,14 @@ def verify_table(verified: list) -> str:
     lines = [head, "-" * len(head)]
     for v in verified:
         e, predicted, compiled = v.evaluation, v.predicted, v.compiled
-        layout = e.candidate.label().rsplit(" remat=", 1)[0]
+        layout, remat = e.candidate.label(omit=("remat",)), _remat(e)
         if "error" in compiled:
-            lines.append(f"{layout:<62} {e.candidate.remat:<13} {v.verdict()}")
+            lines.append(f"{layout:<62} {remat:<13} {v.verdict()}")
             continue
         args, temp = compiled["argument_gb"], compiled["temp_gb"]
         note = "; XLA replicated a value it could not reshard" if compiled.get("involuntary_remat") else ""
         lines.append(
-            f"{layout:<62} {e.candidate.remat:<13} {predicted.arguments / GIB:>9.2f} {args:>9.2f} "
+            f"{layout:<62} {remat:<13} {predicted.arguments / GIB:>9.2f} {args:>9.2f} "
             f"{predicted.arguments / GIB / args - 1:>+6.1%} {predicted.temp / GIB:>9.2f} {temp:>9.2f} "
             f"{predicted.temp / GIB / temp - 1:>+6.1%} {v.peak_gb:>8.2f} {v.claim_gb:>7.2f}  "
             f"{v.verdict() if v.holds_claim else v.verdict() + ', ranked last'}{note}")

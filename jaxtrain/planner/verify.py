@@ -14,7 +14,6 @@ import os
 import sys
 import tempfile
 
-from jaxtrain.planner.candidates import Candidate
 from jaxtrain.planner.memory_model import CPU, GPU
 
 GIB = 2 ** 30
@@ -53,16 +52,16 @@ def _captured_stderr():
                 sys.stderr.flush()
 
 
-def compiled_memory(experiment, candidate: Candidate) -> dict:
+def compiled_memory(experiment, candidate) -> dict:
     """{"argument_gb", "temp_gb", "compile_s", "involuntary_remat"} (GiB; whether XLA warned
     that it replicated a value it could not reshard) of the candidate's train step, or
-    {"error"}."""
+    {"error"}. `candidate`: a ParallelPlan (its remat and attention overrides applied to the model)."""
     from jaxtrain.cli.bench import bench_layout
 
-    exp = dataclasses.replace(experiment, model=dataclasses.replace(experiment.model, remat=candidate.remat))
     with _captured_stderr() as log:
         try:
-            result = bench_layout(exp, candidate.plan, steps=0, compile_only=True)
+            exp = dataclasses.replace(experiment, model=candidate.apply_to_model(experiment.model))
+            result = bench_layout(exp, candidate, steps=0, compile_only=True)
         except Exception as e:  # a layout the planner ranked must compile: report, do not hide
             result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     if "error" in result:

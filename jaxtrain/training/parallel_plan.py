@@ -1,33 +1,35 @@
-"""ParallelPlan: everything that decides how a run is laid out over the devices, in one object.
+"""ParallelPlan: everything that decides how a run is laid out over the devices, in one value.
 
-    mesh sizes (+ DCN split)   pipeline, data, context, expert, tensor
-    rules                      rule table and overlays (meshes/rules.py): "fsdp+experts_folded"
-    microbatches               gradient accumulation, or the microbatches a pipeline streams
-    pipeline                   schedule, layer split, stage remat (used when pipeline > 1)
-    context_parallel           sequence order and K/V exchange over `context`
+    mesh (+ DCN split)     pipeline, data, context, expert, tensor
+    rules                  rule table and overlays (meshes/rules.py): "fsdp+experts_folded"
+    microbatches           gradient accumulation, or the microbatches a pipeline streams
+    schedule, split,       the pipeline (used when pipeline > 1)
+      stage_remat
+    context_parallel       sequence order and K/V exchange over `context`
+    remat, attention       overrides of the model config's own (None: the config's)
+    groups                 device groups' rows of each batch (jaxtrain/training/device_groups.py)
 
-A plan comes from gin (the fields of MeshConfig, TrainConfig.rules / microbatches /
-context_parallel and Experiment.pipeline: `ParallelPlan.from_experiment`) or from one spec
-string, on top of another plan:
+A plan comes from gin (`Experiment.plan`: MeshConfig, TrainConfig.rules / microbatches /
+context_parallel, Experiment.pipeline and DeviceGroups.rows, with `Experiment.layout` on top) or
+from one spec string over another plan:
 
     ParallelPlan().with_spec("pipeline=2,data=2,context=2,tensor=2,rules=fsdp,split=14/13,microbatches=4")
 
-(`Experiment.layout` takes the same string in gin; `python -m jaxtrain.bench step --layout`
-too). `validate` checks it against a model and a batch once, before anything is built.
+Every key is in one table (jaxtrain/training/plan_keys.py); `spec()` writes every field, so
+`ParallelPlan.parse(plan.spec()) == plan`. This module imports no jax (the CLI reads a layout
+before jax starts); what needs jax (the rule set, the pipeline config, the attention objects) is
+resolved by the methods that return it. `validate` checks a plan against a model and a batch
+once, before anything is built.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 
-from jaxtrain.pipeline.config import PipelineConfig
-from meshes.context_layout import AllGatherKV, ContextParallel, Contiguous, LoadBalanced, RingKV
+from jaxtrain.training import plan_keys
+from meshes.context_settings import ContextParallel
 from meshes.mesh_config import AXES, MeshConfig
-from meshes.pipeline_schedules import SCHEDULES, GPipe
-from meshes.rules import DATA_PARALLEL_AXES, RuleSet, get_rule_set
-
-_KV_EXCHANGES = {"ring": RingKV, "allgather": AllGatherKV}
-_ORDERS = {"balanced": LoadBalanced, "contiguous": Contiguous}
+from meshes.pipeline_schedules import GPipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,15 +37,21 @@ class ParallelPlan:
     mesh: MeshConfig = MeshConfig()
     rules: str = "dp"
     microbatches: int = 1
-    pipeline: PipelineConfig = PipelineConfig()
+    schedule: object = GPipe()  # GPipe() | Interleaved(virtual_stages)
+    split: tuple[int, ...] | None = None  # layers per pipeline chunk; None: balanced by cost
+    stage_remat: str = "none"  # none | layer | stage
     context_parallel: ContextParallel = ContextParallel()
+    remat: str | None = None  # the model's remat policy; None: its config's
+    attention: str | None = None  # a plan_keys.ATTENTION name; None: the model config's
+    groups: tuple[int, ...] = ()  # DeviceGroups.rows; (): no device groups
 
     @classmethod
     def from_experiment(cls, exp) -> "ParallelPlan":
         """The plan an Experiment's gin fields describe, with `Experiment.layout` applied on top."""
-        t = exp.train
+        t, groups = exp.train, getattr(exp, "groups", None)
         plan = cls(mesh=exp.mesh or MeshConfig(), rules=t.rules, microbatches=t.microbatches,
-                   pipeline=exp.pipeline or PipelineConfig(), context_parallel=t.context_parallel)
+                   context_parallel=t.context_parallel, groups=tuple(groups.rows) if groups is not None else ())
+        plan = plan.with_pipeline(exp.pipeline)
         return plan.with_spec(exp.layout) if getattr(exp, "layout", None) else plan
 
     @classmethod
@@ -54,62 +62,93 @@ class ParallelPlan:
     def with_spec(self, spec: str) -> "ParallelPlan":
         """This plan with the settings a spec string names changed. Naming any mesh axis sets
         the unnamed ones to 1, so `data=8,tensor=2` means exactly that mesh."""
-        mesh_sizes, changes, pipeline, cp = {}, {}, {}, {}
+        values = {}
         for part in filter(None, (p.strip() for p in spec.split(","))):
-            key, sep, value = part.partition("=")
+            key, sep, value = (s.strip() for s in part.partition("="))
             if not sep or not value:
                 raise ValueError(f"layout {spec!r}: {part!r} is not key=value")
+            if key not in plan_keys.BY_NAME:
+                raise ValueError(f"layout {spec!r}: {part!r}: {plan_keys.unknown_key(key)}")
+            k = plan_keys.BY_NAME[key]
             try:
-                if key in AXES:
-                    mesh_sizes[key] = int(value)
-                elif key == "dcn":
-                    mesh_sizes["dcn"] = tuple(int(n) for n in value.split("/"))
-                elif key == "rules":
-                    get_rule_set(value)  # names the unknown table or overlay
-                    changes["rules"] = value
-                elif key == "microbatches":
-                    changes["microbatches"] = int(value)
-                elif key == "schedule":
-                    pipeline["schedule"] = _schedule(value)
-                elif key == "split":
-                    pipeline["stages_layers"] = tuple(int(n) for n in value.split("/"))
-                elif key == "stage_remat":
-                    pipeline["remat"] = value
-                elif key == "kv":
-                    cp["kv_exchange"] = _choice(_KV_EXCHANGES, key, value)()
-                elif key == "order":
-                    cp["layout"] = _choice(_ORDERS, key, value)()
-                else:
-                    raise ValueError(f"unknown key {key!r}: use the mesh axes {', '.join(AXES)}, dcn=a/b/c/d/e, "
-                                     f"rules, microbatches, schedule=gpipe|interleaved<V>, split=a/b/..., "
-                                     f"stage_remat, kv={'|'.join(_KV_EXCHANGES)}, order={'|'.join(_ORDERS)}")
+                values[k.field] = k.parse(value)
             except ValueError as e:
                 raise ValueError(f"layout {spec!r}: {part!r}: {e}") from None
-        mesh = self.mesh
-        if mesh_sizes:
-            axes = {a: 1 for a in AXES}
-            mesh = dataclasses.replace(mesh, **{**axes, **mesh_sizes})
-        return dataclasses.replace(self, mesh=mesh, pipeline=dataclasses.replace(self.pipeline, **pipeline),
-                                   context_parallel=dataclasses.replace(self.context_parallel, **cp), **changes)
+        plan = self
+        if any(field in (f"mesh.{a}" for a in AXES) for field in values):
+            plan = dataclasses.replace(plan, mesh=dataclasses.replace(plan.mesh, **{a: 1 for a in AXES}))
+        for field, value in values.items():
+            plan = plan_keys.replace(plan, field, value)
+        return plan
+
+    def with_pipeline(self, pipeline) -> "ParallelPlan":
+        """This plan with a PipelineConfig's settings (gin's `Experiment.pipeline`; None: unchanged)."""
+        if pipeline is None:
+            return self
+        split = tuple(pipeline.stages_layers) if pipeline.stages_layers is not None else None
+        return dataclasses.replace(self, schedule=pipeline.schedule, split=split, stage_remat=pipeline.remat)
 
     def spec(self) -> str:
-        """The plan as a spec string (mesh, rules, microbatches, and pipeline settings if any)."""
-        parts = [f"{a}={getattr(self.mesh, a)}" for a in AXES]
-        parts += [f"rules={self.rules}", f"microbatches={self.microbatches}"]
-        if self.mesh.pipeline != 1:
-            s = self.pipeline.schedule
-            parts.append("schedule=" + ("gpipe" if isinstance(s, GPipe) else f"interleaved{s.virtual_stages}"))
-            if self.pipeline.stages_layers:
-                parts.append("split=" + "/".join(map(str, self.pipeline.stages_layers)))
+        """Every field as a spec string: `ParallelPlan.parse(p.spec()) == p`, and applied over any
+        other plan it gives this one."""
+        return ",".join(f"{k.name}={k.format(plan_keys.get(self, k.field))}" for k in plan_keys.KEYS)
+
+    def label(self, omit: tuple[str, ...] = ()) -> str:
+        """A short spec for display: the mesh axes not 1, the rules, and the other fields that
+        differ from a default plan (it parses back to this plan); `omit` leaves keys out."""
+        default = ParallelPlan()
+        parts = [f"{a}={getattr(self.mesh, a)}" for a in AXES if getattr(self.mesh, a) != 1] or ["data=1"]
+        for k in plan_keys.KEYS:
+            if k.name in AXES or k.name in omit:
+                continue
+            value = plan_keys.get(self, k.field)
+            if k.name == "rules" or value != plan_keys.get(default, k.field):
+                parts.append(f"{k.name}={k.format(value)}")
         return ",".join(parts)
 
-    def rule_set(self) -> RuleSet:
+    def device_count(self) -> int:
+        """Devices the plan's explicit sizes need, every device group's (a -1 axis counts as 1)."""
+        return self.mesh.fixed_device_count() * max(len(self.groups), 1)
+
+    # ---- resolved where they are used (these import jax) ------------------------------------
+
+    @property
+    def pipeline(self):
+        """The pipeline settings as a PipelineConfig (jaxtrain/pipeline/config.py)."""
+        from jaxtrain.pipeline.config import PipelineConfig
+        return PipelineConfig(schedule=self.schedule, stages_layers=self.split, remat=self.stage_remat)
+
+    def rule_set(self):
+        from meshes.rules import get_rule_set
         return get_rule_set(self.rules)
+
+    def device_groups(self):
+        """The DeviceGroups this plan names, or None without groups."""
+        from jaxtrain.training.device_groups import DeviceGroups
+        return DeviceGroups(rows=self.groups) if self.groups else None
+
+    def apply_to_model(self, model_cfg):
+        """The model config with the plan's overrides (remat, attention) in place of its own."""
+        changes = {}
+        if self.remat is not None:
+            changes["remat"] = self.remat
+        if self.attention is not None:
+            from models.layers import attention_impl
+            name, kwargs = plan_keys.ATTENTION[self.attention]
+            changes["attention"] = getattr(attention_impl, name)(**kwargs)
+        if not changes:
+            return model_cfg
+        missing = [f for f in changes if f not in {f.name for f in dataclasses.fields(model_cfg)}]
+        if missing:
+            raise ValueError(f"layout sets {', '.join(missing)}, which {type(model_cfg).__name__} does not have")
+        return dataclasses.replace(model_cfg, **changes)
 
     def validate(self, model_cfg, *, global_batch: int, seq_len: int, mesh_shape: dict,
                  platform: str | None = None) -> None:
         """Errors for a plan that cannot run this model on this batch and mesh, before anything
         is built (the pipeline's layer split is checked when the stage plan is made)."""
+        from meshes.rules import DATA_PARALLEL_AXES
+
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be positive, got {self.microbatches}")
         if global_batch % self.microbatches:
@@ -127,27 +166,10 @@ class ParallelPlan:
             self.context_parallel.validate(seq_len, mesh_shape["context"])
         except ValueError as e:
             raise ValueError(f"TrainConfig.seq_len={seq_len}: {e}") from None
+        model_cfg = self.apply_to_model(model_cfg)
         model_cfg.validate(dict(mesh_shape))
         attention = getattr(model_cfg, "attention", None)
         if platform is not None and attention is not None and hasattr(attention, "check_backend"):
             attention.check_backend(platform)
         if mesh_shape["pipeline"] > 1:
             self.pipeline.validate(mesh_shape["pipeline"], self.microbatches)
-
-
-def _schedule(value: str):
-    name = value.rstrip("0123456789")
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {value!r}: choose gpipe or interleaved<V> (e.g. interleaved2)")
-    virtual = value[len(name):]
-    if name == "gpipe":
-        if virtual:
-            raise ValueError("gpipe takes no virtual-stage count")
-        return SCHEDULES[name]()
-    return SCHEDULES[name](int(virtual) if virtual else 2)
-
-
-def _choice(table: dict, key: str, value: str):
-    if value not in table:
-        raise ValueError(f"{key}={value!r}: choose one of {'|'.join(table)}")
-    return table[value]

@@ -99,6 +99,7 @@ def build_train_setup(model_cfg, plan: ParallelPlan, train, optimizer: Optimizer
     builds the run's parts. `train`: a TrainConfig (steps, batch, sequence, loss settings).
     `groups`: data parallelism over device groups with uneven shares of the batch (each group
     laid out by `plan`; `devices` then a flat list or one list per group)."""
+    model_cfg = plan.apply_to_model(model_cfg)  # the plan's remat / attention overrides
     if groups is not None and groups.rows:
         return _build_grouped_train_setup(model_cfg, plan, train, optimizer, devices, groups)
     mesh = build_mesh(plan.mesh, devices)

@@ -22,7 +22,6 @@ from jaxtrain.training.config_types import check_config_types
 from jaxtrain.data.packing import check_sources_fit, make_eval_batches, make_train_iterator
 from jaxtrain.checkpoints.fingerprint import leaf_path
 from jaxtrain.observe.flops import peak_flops
-from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.resilience import exit_codes
 from jaxtrain.resilience.exit_codes import RunStopped
 from jaxtrain.resilience.peers import Peers
@@ -71,8 +70,8 @@ class Trainer:
         self.stopped_by = None
         t = exp.train
         check_vocabulary(exp)  # the Trainer feeds corpus tokens (the bench feeds ids below the vocabulary)
-        self.plan = ParallelPlan.from_experiment(exp)
-        setup = build_train_setup(exp.model, self.plan, t, exp.optimizer, devices, groups=exp.groups)
+        self.plan = exp.plan  # the plan load_experiment validated (Experiment.plan)
+        setup = build_train_setup(exp.model, self.plan, t, exp.optimizer, devices, groups=self.plan.device_groups())
         self.setup, self.mesh, self.rules, self.tx = setup, setup.mesh, setup.rules, setup.tx
         self.grouped = isinstance(setup, GroupedTrainSetup)
         if self.grouped:
