@@ -127,6 +127,13 @@ class Experiment:
     groups: DeviceGroups | None = None
 
 
+    @functools.cached_property
+    def plan(self) -> ParallelPlan:
+        """The run's ParallelPlan: the layout fields above, Experiment.layout on top (kept once built;
+        a replaced Experiment builds its own)."""
+        return ParallelPlan.from_experiment(self)
+
+
 def load_experiment() -> Experiment:
     """The experiment the parsed gin config describes, unbound parts taking their defaults."""
     try:
@@ -146,7 +153,7 @@ def load_experiment() -> Experiment:
     )
     for part in (exp.model, exp.mesh, exp.train, exp.data, exp.optimizer, exp.pipeline, exp.groups):
         check_config_types(part)
-    ParallelPlan.from_experiment(exp)  # a bad Experiment.layout string is a config error now
+    exp.plan  # built and kept: a bad Experiment.layout string is a config error now
     return exp
 
 
