@@ -130,7 +130,7 @@ stage kernel_bench TERM 30 "$PY" benchmarks/kernel_bench.py --budget_s "$KB_BUDG
 DENSE_TINY=() MOE_TINY=() LONG_TINY=() PEAK=()
 PALLAS_ATTENTION=pallas LONG_SEQ=8192 STEPS=10 LONG_STEPS=5
 if ((DRY)); then
-  PEAK=(--gin_param=TrainConfig.peak_flops_per_device=1e11)
+  PEAK=(--gin_param=ObserveConfig.peak_flops_per_device=1e11)
   DENSE_TINY=(--gin_param=LlamaConfig.layers=2 --gin_param=LlamaConfig.embed=64 --gin_param=LlamaConfig.heads=4
               --gin_param=LlamaConfig.kv_heads=2 --gin_param=LlamaConfig.mlp=128 --gin_param=LlamaConfig.vocab_size=512
               --gin_param=TrainConfig.global_batch=4 --gin_param=TrainConfig.seq_len=128

@@ -34,12 +34,13 @@ from jaxtrain.training.config import TrainConfig
 from jaxtrain.training.device_groups import DeviceGroups
 from jaxtrain.training.optim import OptimizerConfig
 from jaxtrain.training.parallel_plan import ParallelPlan
+from jaxtrain.training.state import TrainState
 from jaxtrain.training.step import BATCH_KEYS
 from jaxtrain.training.train_setup import TrainSetup, build_train_setup
 
 
 class Run:
-    def __init__(self, setup: TrainSetup, state: dict, train: TrainConfig):
+    def __init__(self, setup: TrainSetup, state: TrainState, train: TrainConfig):
         self.setup, self.state, self.train = setup, state, train
         self._engine = None  # generation's compiled functions (built on the first `generate`)
 
@@ -72,19 +73,19 @@ class Run:
 
     def evaluate(self, batch: dict) -> dict:
         """Mean loss and accuracy over the batch's loss-masked tokens (no update)."""
-        out = jax.device_get(self.setup.eval_step(self.state["params"], self._device_batch(batch)))
+        out = jax.device_get(self.setup.eval_step(self.state.params, self._device_batch(batch)))
         tokens = max(float(out["tokens"]), 1.0)
         return {"loss": float(out["nll"]) / tokens, "accuracy": float(out["correct"]) / tokens,
                 "tokens": float(out["tokens"])}
 
     @property
     def step_count(self) -> int:
-        return int(jax.device_get(self.state["step"]))
+        return int(jax.device_get(self.state.step))
 
     @property
     def params(self) -> dict:
         """The parameters in the canonical layout (layer stacks; what checkpoints hold)."""
-        return self.setup.state.to_disk({"params": self.state["params"]})["params"]
+        return self.setup.state.to_disk({"params": self.state.params})["params"]
 
     # -- generation ----------------------------------------------------------------------------
     def generate(self, prompts, *, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
@@ -124,7 +125,7 @@ class Run:
         step = self.step_count
         checkpointer = Checkpointer(directory, async_save=False)
         try:
-            checkpointer.save(step, self.setup.state.to_disk(self.state))
+            checkpointer.save(step, self.setup.state.to_disk(self.state.checkpoint_items()))
             checkpointer.wait()
         finally:
             checkpointer.close()
@@ -134,20 +135,14 @@ class Run:
         """Loads checkpoint `step` (default: the newest intact one) into this run's layout.
         `allow_unverified`: also a step without a manifest (restored with a warning)."""
         checkpointer = Checkpointer(directory)
-        try:
-            if step is None:
-                found = checkpointer.restore_latest(self.setup.state.disk_abstract, quarantine=False,
-                                                    allow_unverified=allow_unverified)
-                if found is None:
-                    raise FileNotFoundError(f"no checkpoint in {directory}")
-                step, restored, _ = found
-            else:
-                restored = checkpointer.restore(step, self.setup.state.disk_abstract,
-                                                allow_unverified=allow_unverified)
+        try:  # a params-only checkpoint gets a fresh optimizer state
+            restored = self.setup.restore(checkpointer, step, quarantine=False, allow_unverified=allow_unverified)
         finally:
             checkpointer.close()
-        self.state = self.setup.ready_to_step(self.setup.state.from_disk(restored), step)  # params-only: fresh Adam
-        return step
+        if restored is None:
+            raise FileNotFoundError(f"no checkpoint in {directory}")
+        self.state = restored.state
+        return restored.step
 
     # -- batches -------------------------------------------------------------------------------
     def _device_batch(self, batch: dict) -> dict:

@@ -18,7 +18,7 @@ TINY_LLAMA = LlamaConfig(vocab_size=96, embed=32, layers=2, heads=4, kv_heads=4,
 # For runs on the corpus (the byte tokenizer's 259 ids): a smaller vocabulary would look up
 # embeddings out of range and train on NaN. TINY_LLAMA stays for random batches within 96 ids.
 TINY_LLAMA_BYTES = dataclasses.replace(TINY_LLAMA, vocab_size=272)
-TINY_TRAIN = TrainConfig(steps=3, global_batch=16, seq_len=16, log_every=1)
+TINY_TRAIN = TrainConfig(steps=3, global_batch=16, seq_len=16)
 TINY_OPT = OptimizerConfig(learning_rate=1e-2, warmup_steps=1)
 
 
@@ -64,7 +64,7 @@ def train_losses(mesh_cfg: MeshConfig, *, model=TINY_LLAMA, train=TINY_TRAIN, op
         state, metrics = step_fn(state, batch)
         losses.append(float(metrics["loss"]))
         history.append(jax.device_get(metrics))
-    result = (np.array(losses), jax.device_get(state["params"]))
+    result = (np.array(losses), jax.device_get(state.params))
     if not allow_nonfinite:
         assert_finite(result, "train_losses (losses, params)")
     return result + (history,) if with_metrics else result

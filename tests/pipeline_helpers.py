@@ -51,7 +51,7 @@ def run_steps(mesh_cfg, model, train, params0, *, pipeline=None, rules="dp", dev
         host = random_packed_batch(100 + i, train.global_batch, train.seq_len, model.vocab_size)
         state, metrics = setup.train_step(state, setup.device_batch(host))
         losses.append(float(metrics["loss"]))
-    params = jax.device_get(layout.to_disk({"params": state["params"]})["params"])
+    params = jax.device_get(layout.to_disk({"params": state.params})["params"])
     if not allow_nonfinite:
         assert_finite((losses, params), "run_steps (losses, params)")
     return np.array(losses), params, jax.device_get(metrics), state, setup

@@ -11,6 +11,7 @@ import pytest
 from helpers import TINY_LLAMA_BYTES, TINY_OPT, assert_finite
 from jaxtrain.data.packing import DataConfig, make_train_iterator
 from jaxtrain.training.config import Experiment, TrainConfig
+from jaxtrain.training.run_configs import CheckpointConfig, ObserveConfig
 from jaxtrain.training.trainer import Trainer
 from meshes.mesh import MeshConfig
 
@@ -29,10 +30,11 @@ def blend(tmp_path_factory):
 
 
 def experiment(blend, mesh: MeshConfig) -> Experiment:
-    train = TrainConfig(steps=STEPS, global_batch=BATCH, seq_len=SEQ, eval_every=0, eval_batches=1,
-                        checkpoint_every=0, log_every=100, async_checkpoint=False)
+    train = TrainConfig(steps=STEPS, global_batch=BATCH, seq_len=SEQ)
     data = DataConfig(blend=blend, eval_files=(blend[1],))
-    return Experiment(model=TINY_LLAMA_BYTES, mesh=mesh, train=train, data=data, optimizer=TINY_OPT)
+    return Experiment(model=TINY_LLAMA_BYTES, mesh=mesh, train=train, data=data, optimizer=TINY_OPT,
+                      checkpoint=CheckpointConfig(checkpoint_every=0, async_checkpoint=False),
+                      observe=ObserveConfig(eval_every=0, eval_batches=1, log_every=100))
 
 
 def test_blended_run_counts_tokens_per_source_across_a_resume(blend, tmp_path):

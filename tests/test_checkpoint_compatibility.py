@@ -146,7 +146,7 @@ def test_a_step_without_manifest_is_refused_unless_allowed_then_restored_with_a_
     shutil.copytree(tmp_path / "ck" / "1" / "params", step_dir / "params")
     with pytest.raises(UnverifiedCheckpoint) as e:
         restore_latest(tmp_path / "ck", abstract_of(tx))
-    assert "step 2" in str(e.value) and "TrainConfig.allow_unverified_restore=True" in str(e.value)
+    assert "step 2" in str(e.value) and "CheckpointConfig.allow_unverified_restore=True" in str(e.value)
     assert step_dir.is_dir() and not (tmp_path / "ck_corrupt").exists()
 
     capsys.readouterr()

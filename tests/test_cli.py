@@ -15,13 +15,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [  # keep compiles small; the default config's own size is exercised by `make train`
     "--gin_param=LlamaConfig.embed=32", "--gin_param=LlamaConfig.layers=2", "--gin_param=LlamaConfig.mlp=64",
     "--gin_param=LlamaConfig.heads=4", "--gin_param=LlamaConfig.kv_heads=2",
-    "--gin_param=TrainConfig.seq_len=32", "--gin_param=TrainConfig.eval_batches=1",
+    "--gin_param=TrainConfig.seq_len=32", "--gin_param=ObserveConfig.eval_batches=1",
 ]
 
 
 # greedy samples during training, at the last step: the generate CLI's test reproduces them
-SAMPLES = ["--gin_param=TrainConfig.sample_every=3", "--gin_param=TrainConfig.sample_tokens=6",
-           "--gin_param=TrainConfig.sample_prompts=('A paragraph', 'Heading =')"]
+SAMPLES = ["--gin_param=ObserveConfig.sample_every=3", "--gin_param=ObserveConfig.sample_tokens=6",
+           "--gin_param=ObserveConfig.sample_prompts=('A paragraph', 'Heading =')"]
 
 
 def run_cli(args, xla_flags=""):
@@ -71,7 +71,7 @@ def in_process(args, capsys):
     (["LlamaConfig.heads=8", "LlamaConfig.embed=40"], "head_dim=5 must be even"),
     (["TrainConfig.steps=0"], "TrainConfig.steps must be positive"),
     (["TrainConfig.global_batch=-8"], "TrainConfig.global_batch must be positive"),
-    (["TrainConfig.sample_every=2"], "TrainConfig.sample_every is set but sample_prompts is empty"),
+    (["ObserveConfig.sample_every=2"], "ObserveConfig.sample_every is set but sample_prompts is empty"),
     (["TrainConfig.nonexistent=3"], "nonexistent"),
     (["MeshConfig.data=2"], "needs 4 devices but 16 are available"),
     (["TrainConfig.global_batch=6"], "not divisible by the data-parallel size 8"),
@@ -86,8 +86,8 @@ def in_process(args, capsys):
     (["TrainConfig.steps='ten'"], "TrainConfig.steps must be int, got 'ten' (str)"),
     (["OptimizerConfig.learning_rate='fast'"], "OptimizerConfig.learning_rate must be float, got 'fast'"),
     (["LlamaConfig.layers=None"], "LlamaConfig.layers must be int, got None"),
-    (["TrainConfig.nonfinite='skip'"], "TrainConfig.nonfinite must be @Halt(), @Skip() or @Rollback()"),
-    (["TrainConfig.reset_on_resume=('params',)"], "TrainConfig.reset_on_resume may hold 'opt_state' and 'data'"),
+    (["ResilienceConfig.nonfinite='skip'"], "ResilienceConfig.nonfinite must be @Halt(), @Skip() or @Rollback()"),
+    (["CheckpointConfig.reset_on_resume=('params',)"], "CheckpointConfig.reset_on_resume may hold 'opt_state' and 'data'"),
 ])
 def test_bad_input_is_a_clear_error(tmp_path, capsys, bindings, message):
     workdir = tmp_path / "run"

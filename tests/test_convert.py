@@ -15,6 +15,7 @@ from jaxtrain.checkpoints.checkpointer import Checkpointer, CorruptCheckpoint
 from jaxtrain.checkpoints.fingerprint import tree_fingerprints
 from jaxtrain.cli import convert
 from jaxtrain.training.config import Experiment, TrainConfig
+from jaxtrain.training.run_configs import CheckpointConfig, ObserveConfig
 from jaxtrain.data.packing import DataConfig, make_train_iterator
 from jaxtrain.hf.safetensors_io import SafetensorsDir
 from jaxtrain.training.optim import OptimizerConfig
@@ -128,8 +129,9 @@ def test_training_resumes_with_the_hf_models_loss(converted):
         gin.clear_config()
     data = DataConfig(train_files=(str(root / "train.txt"),), eval_files=(str(root / "valid.txt"),))
     exp = Experiment(model=model, mesh=MeshConfig(data=4, tensor=4), data=data,
-                     train=TrainConfig(steps=1, global_batch=BATCH, seq_len=SEQ_LEN, eval_batches=1, eval_every=0,
-                                       checkpoint_every=0, async_checkpoint=False, log_every=1),
+                     train=TrainConfig(steps=1, global_batch=BATCH, seq_len=SEQ_LEN),
+                     checkpoint=CheckpointConfig(checkpoint_every=0, async_checkpoint=False),
+                     observe=ObserveConfig(eval_batches=1, eval_every=0, log_every=1),
                      optimizer=OptimizerConfig(warmup_steps=0))
     history = Trainer(exp, str(workdir)).run()
     batch = next(make_train_iterator(data, seq_len=SEQ_LEN, global_batch=BATCH, seed=exp.train.seed))

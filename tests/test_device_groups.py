@@ -101,7 +101,7 @@ def test_moe_groups_train_as_one_program():
 TWO_PROCESS_BINDINGS = [
     "LlamaConfig.embed=32", "LlamaConfig.layers=2", "LlamaConfig.mlp=64", "LlamaConfig.heads=4",
     "LlamaConfig.kv_heads=2", "TrainConfig.seq_len=32", "TrainConfig.global_batch=16", "TrainConfig.steps=3",
-    "TrainConfig.eval_every=0", "TrainConfig.eval_batches=1", "TrainConfig.checkpoint_every=0",
+    "ObserveConfig.eval_every=0", "ObserveConfig.eval_batches=1", "CheckpointConfig.checkpoint_every=0",
     "Experiment.layout='data=4,microbatches=4'", "DeviceGroups.rows=(12, 4)"]
 
 
@@ -148,7 +148,7 @@ def test_one_group_per_process_trains_as_one_process(tmp_path, capsys):
     finally:
         gin.clear_config()
     scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    want_eval = eval_cli.evaluate_stream(one.setup, one.state["params"], tokenize_text_stream(text, "bytes"),
+    want_eval = eval_cli.evaluate_stream(one.setup, one.state.params, tokenize_text_stream(text, "bytes"),
                                          seq_len=t.seq_len, stride=t.seq_len // 2, batch_size=t.global_batch,
                                          pad_id=load_tokenizer("bytes").pad_id)
     assert scored["checkpoint_step"] == t.steps and scored["tokens"] == want_eval["tokens"]

@@ -99,7 +99,7 @@ def test_run_generate_on_a_mesh_uses_the_current_parameters():
     outputs = []
     for seed in (1, 2):  # the second: other parameters, the same compiled functions
         if seed == 2:
-            run.state = {**run.state, "params": jax.tree.map(lambda p: p * 1.5, run.state["params"])}
+            run.state = run.state.replace(params=jax.tree.map(lambda p: p * 1.5, run.state.params))
         reference = Engine(canonical_model(cfg, jax.device_get(run.params)))
         outputs.append(run.generate(prompts, max_new_tokens=9))
         assert outputs[-1] == reference.generate(prompts, max_new_tokens=9)

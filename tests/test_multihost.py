@@ -18,7 +18,7 @@ from processes import start_train_processes, wait_for
 
 BINDINGS = ["LlamaConfig.embed=32", "LlamaConfig.layers=2", "LlamaConfig.mlp=64", "LlamaConfig.heads=4",
             "LlamaConfig.kv_heads=2", "TrainConfig.seq_len=32",
-            "TrainConfig.eval_batches=1", "TrainConfig.steps=6", "TrainConfig.checkpoint_every=3", "MeshConfig.data=8"]
+            "ObserveConfig.eval_batches=1", "TrainConfig.steps=6", "CheckpointConfig.checkpoint_every=3", "MeshConfig.data=8"]
 
 
 @pytest.fixture(scope="module")

@@ -36,15 +36,15 @@ def test_host_optimizer_state_is_born_there_and_restores_there(tmp_path):
     tx, _ = make_optimizer(TINY_OPT, 3)
     _, abstract, shardings = state_shardings(TINY_LLAMA, tx, mesh, rules)
     state = init_state(TINY_LLAMA, tx, shardings, seed=0)
-    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state["opt_state"])}
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)}
     assert kinds == {"pinned_host"}
-    assert {x.sharding.memory_kind for x in jax.tree.leaves(state["params"])} == {"device"}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(state.params)} == {"device"}
     checkpointer = Checkpointer(str(tmp_path / "checkpoints"), async_save=False)
-    checkpointer.save(1, state)
-    restored = checkpointer.restore(1, abstract)
+    checkpointer.save(1, state.checkpoint_items())
+    restored = checkpointer.restore(1, abstract.checkpoint_items())
     checkpointer.close()
     assert {x.sharding.memory_kind for x in jax.tree.leaves(restored["opt_state"])} == {"pinned_host"}
-    assert_trees_close(jax.device_get(restored["opt_state"]), jax.device_get(state["opt_state"]), rtol=0)
+    assert_trees_close(jax.device_get(restored["opt_state"]), jax.device_get(state.opt_state), rtol=0)
 
 
 def test_activation_offload_remat_trains_identically(on_device):

@@ -56,7 +56,7 @@ def gradients(model, mesh_cfg, devices, params):
 
     host = random_packed_batch(7, TINY_TRAIN.global_batch, TINY_TRAIN.seq_len, model.vocab_size)
     batch = {k: jax.device_put(v, bsh[k]) for k, v in host.items()}
-    return jax.device_get(jax.jit(run)(jax.device_put(params, shardings["params"]), batch))
+    return jax.device_get(jax.jit(run)(jax.device_put(params, shardings.params), batch))
 
 
 # The two layouts; remat "full" (the checkpointed scan step) is covered on the mesh, so

@@ -12,6 +12,7 @@ import pytest
 
 from helpers import TINY_LLAMA, assert_finite, assert_trees_close
 from jaxtrain.training.config import Experiment, TrainConfig
+from jaxtrain.training.run_configs import CheckpointConfig, ObserveConfig
 from jaxtrain.data.packing import DataConfig
 from jaxtrain.pipeline.config import PipelineConfig
 from jaxtrain.training.trainer import Trainer
@@ -24,10 +25,10 @@ STEPS, EVERY = 9, 3
 
 
 def experiment(mesh: MeshConfig, pipeline: PipelineConfig) -> Experiment:
-    train = TrainConfig(steps=STEPS, global_batch=16, seq_len=16, microbatches=4, eval_every=0, eval_batches=1,
-                        checkpoint_every=EVERY, rules="dp", log_every=100)
+    train = TrainConfig(steps=STEPS, global_batch=16, seq_len=16, microbatches=4, rules="dp")
     return Experiment(model=LLAMA4, mesh=mesh, train=train, data=DataConfig(), optimizer=PIPELINE_OPT,
-                      pipeline=pipeline)
+                      pipeline=pipeline, checkpoint=CheckpointConfig(checkpoint_every=EVERY),
+                      observe=ObserveConfig(eval_every=0, eval_batches=1, log_every=100))
 
 
 def run(mesh: MeshConfig, pipeline: PipelineConfig, workdir):

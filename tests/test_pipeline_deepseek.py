@@ -71,7 +71,7 @@ def test_each_stage_holds_only_its_layers(pipelined):
     for path, shape in setup.state.layout.stage_shapes.items():
         if path not in setup.state.layout.kind_of:
             continue
-        leaf = state["params"]
+        leaf = state.params
         for key in path:
             leaf = leaf[key]
         shard = leaf.addressable_shards[0].data
@@ -79,7 +79,7 @@ def test_each_stage_holds_only_its_layers(pipelined):
         layer_bytes = shard.nbytes / (shape[1] * shape[2])
         staged_bytes += shard.nbytes
         canonical_bytes += layer_bytes * setup.state.layout.canonical_shapes[path][0]
-    for path, leaf in jax.tree_util.tree_leaves_with_path(state["opt_state"]):  # Adam moments likewise
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state.opt_state):  # Adam moments likewise
         keys = tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
         if any(keys[i:] in setup.state.layout.kind_of for i in range(len(keys))):
             assert leaf.addressable_shards[0].data.shape[0] == 1, keys

@@ -46,7 +46,7 @@ def test_pipelined_nemotron_h_matches_one_device(reference, case):
     assert_trees_close(params, ref_params, rtol=1e-4, atol=1e-4)
     layout = setup.state.layout
     for path in layout.kind_of:  # every stacked parameter: one stage per device
-        leaf = state["params"]
+        leaf = state.params
         for key in path:
             leaf = leaf[key]
         assert leaf.addressable_shards[0].data.shape[0] == 1, path

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxtrain.training.config import Experiment, TrainConfig
+from jaxtrain.training.run_configs import ObserveConfig
 from jaxtrain.data.packing import DataConfig
 from jaxtrain.pipeline.config import PipelineConfig
 from jaxtrain.training.trainer import Trainer
@@ -74,12 +75,11 @@ def test_bad_split_is_a_clear_error(given, message):
 
 
 def _experiment(pipeline, **train):
-    train = TrainConfig(**{**dict(steps=2, global_batch=16, seq_len=16, microbatches=4, eval_every=0,
-                                  eval_batches=1), **train})
+    train = TrainConfig(**{**dict(steps=2, global_batch=16, seq_len=16, microbatches=4), **train})
     # a model the corpus's byte tokens fit, so that only the pipeline setting under test is wrong
     return Experiment(model=dataclasses.replace(TINY_LLAMA_BYTES, layers=4),
                       mesh=MeshConfig(pipeline=2, data=4, tensor=2), train=train, data=DataConfig(),
-                      optimizer=TINY_OPT, pipeline=pipeline)
+                      optimizer=TINY_OPT, pipeline=pipeline, observe=ObserveConfig(eval_every=0, eval_batches=1))
 
 
 @pytest.mark.parametrize("pipeline, train, message", [

@@ -65,8 +65,8 @@ def test_state_bytes_equal_the_runs_own_shardings(models, family, spec):
     model = models[family]
     plan = ParallelPlan.parse(spec)
     setup = build_train_setup(model, plan, TrainConfig(global_batch=16, seq_len=32), OptimizerConfig())
-    params = audit_sharding(setup.state.abstract["params"], name="params")
-    opt = audit_sharding(setup.state.abstract["opt_state"], name="opt")
+    params = audit_sharding(setup.state.abstract.params, name="params")
+    opt = audit_sharding(setup.state.abstract.opt_state, name="opt")
     planned = _planner(model).state(dataclasses.replace(plan, remat="none"))
     assert planned.params == params.bytes_per_device > 0
     assert planned.optimizer == opt.bytes_per_device

@@ -1,4 +1,4 @@
-"""TrainConfig.profile_steps writes a jax.profiler trace of those steps into the workdir."""
+"""ObserveConfig.profile_steps writes a jax.profiler trace of those steps into the workdir."""
 import gzip
 import json
 import os
@@ -13,7 +13,7 @@ def test_profile_steps_write_a_trace_of_the_train_step(tmp_path):
     workdir = tmp_path / "run"
     env = child_env()
     proc = subprocess.run([sys.executable, "-m", "jaxtrain.cli.train", f"--workdir={workdir}", *TINY,
-                           "--gin_param=TrainConfig.steps=4", "--gin_param=TrainConfig.profile_steps=(2, 3)"],
+                           "--gin_param=TrainConfig.steps=4", "--gin_param=ObserveConfig.profile_steps=(2, 3)"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     traces = [os.path.join(r, f) for r, _, files in os.walk(workdir / "profile" / "process_0") for f in files]

@@ -78,9 +78,9 @@ def load_config(name: str):
         gin.clear_config()
     # The tests' Adam (eps 1e-5: see tests/pipeline_helpers.py); no eval before STEPS; step 10 kept
     # among the stops' checkpoints (3, 10, 13, 20).
-    train = dataclasses.replace(exp.train, checkpoint_every=SAVE_AT, log_every=STEPS, eval_every=0,
-                                keep_checkpoints=4)
-    return dataclasses.replace(exp, train=train, optimizer=PIPELINE_OPT)
+    return dataclasses.replace(exp, optimizer=PIPELINE_OPT,
+                               checkpoint=dataclasses.replace(exp.checkpoint, checkpoint_every=SAVE_AT, keep_checkpoints=4),
+                               observe=dataclasses.replace(exp.observe, log_every=STEPS, eval_every=0))
 
 
 def write_initial_checkpoint(exp, directory, seed: int) -> None:
@@ -109,7 +109,7 @@ def assert_losses_close(actual, expected, rtol=1e-5):
 
 def canonical_params(trainer) -> dict:
     """The parameters the trainer's last run ended with, as checkpoints hold them, on the host."""
-    return jax.device_get(trainer.canonical({"params": trainer.final_state["params"]})["params"])
+    return jax.device_get(trainer.canonical({"params": trainer.final_state.params})["params"])
 
 
 def assert_params_close(actual: dict, expected: dict, what: str) -> None:
@@ -177,7 +177,7 @@ def test_reference_layout_trains(run):
     assert "layers per chunk" in run["trainer"].pipeline_summary
     # routed experts: stages over pipeline, experts over data x context (EP 4), tensor as EDP 2
     experts = {jax.tree_util.keystr(path): sharding.spec for path, sharding
-               in jax.tree_util.tree_leaves_with_path(run["trainer"].shardings["params"])
+               in jax.tree_util.tree_leaves_with_path(run["trainer"].shardings.params)
                if "'experts'" in jax.tree_util.keystr(path)}
     assert experts and all(spec[0] == "pipeline" and ("data", "context") in spec and "tensor" in spec
                            for spec in experts.values()), experts

@@ -11,6 +11,7 @@ import pytest
 
 from helpers import TINY_LLAMA_BYTES, TINY_OPT, assert_finite, assert_trees_close
 from jaxtrain.training.config import Experiment, TrainConfig
+from jaxtrain.training.run_configs import CheckpointConfig, ObserveConfig
 from jaxtrain.data.packing import DataConfig
 from jaxtrain.data.tokenizer import ByteTokenizer
 from jaxtrain.training.trainer import Trainer
@@ -18,9 +19,10 @@ from meshes.mesh import MeshConfig
 
 
 def experiment(mesh: MeshConfig, rules="dp") -> Experiment:
-    train = TrainConfig(steps=6, global_batch=16, seq_len=32, eval_every=0, eval_batches=1,
-                        checkpoint_every=0, rules=rules, log_every=100, async_checkpoint=True)
-    return Experiment(model=TINY_LLAMA_BYTES, mesh=mesh, train=train, data=DataConfig(), optimizer=TINY_OPT)
+    train = TrainConfig(steps=6, global_batch=16, seq_len=32, rules=rules)
+    return Experiment(model=TINY_LLAMA_BYTES, mesh=mesh, train=train, data=DataConfig(), optimizer=TINY_OPT,
+                      checkpoint=CheckpointConfig(checkpoint_every=0, async_checkpoint=True),
+                      observe=ObserveConfig(eval_every=0, eval_batches=1, log_every=100))
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,7 @@ def straight(tmp_path_factory):
     assert TINY_LLAMA_BYTES.vocab_size >= ByteTokenizer.vocab_size
     trainer = Trainer(experiment(MeshConfig(data=8, tensor=2)), str(tmp_path_factory.mktemp("straight")))
     history = trainer.run()
-    losses, params = [h["loss"] for h in history], jax.device_get(trainer.final_state["params"])
+    losses, params = [h["loss"] for h in history], jax.device_get(trainer.final_state.params)
     assert_finite(losses, "straight losses")
     assert_finite(params, "straight params")
     assert losses[-1] < losses[0]  # it trains: later steps depend on the optimizer state
@@ -49,4 +51,4 @@ def test_restart_continues_identically(straight, tmp_path, second_mesh, rules):
     resumed = [h["loss"] for h in first + second]
     assert_finite(resumed, "resumed losses")
     np.testing.assert_allclose(resumed, losses, rtol=1e-5)
-    assert_trees_close(jax.device_get(second_trainer.final_state["params"]), params, rtol=1e-4, atol=1e-4)
+    assert_trees_close(jax.device_get(second_trainer.final_state.params), params, rtol=1e-4, atol=1e-4)

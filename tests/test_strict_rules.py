@@ -207,7 +207,7 @@ def test_audit_of_fsdp_and_dp_llama_params():
     tx, _ = make_optimizer(OptimizerConfig(), 10)
     cfg = LlamaConfig(vocab_size=96, embed=32, layers=2, heads=4, kv_heads=2, mlp=64)
     _, fsdp_abstract, _ = state_shardings(cfg, tx, mesh, get_rule_set("fsdp"))
-    fsdp = audit_sharding(fsdp_abstract["params"], name="params")
+    fsdp = audit_sharding(fsdp_abstract.params, name="params")
     norms = (2 * 2 * 32 + 32) * 4  # attn and mlp norm scales of 2 layers and the final norm, float32
     assert fsdp.replicated_bytes_per_device == pytest.approx(norms * 15 / 16)
     assert fsdp.replicated_fraction < 0.1
@@ -217,7 +217,7 @@ def test_audit_of_fsdp_and_dp_llama_params():
     assert matrices and all(leaf.copies == 1 for leaf in matrices)
 
     _, dp_abstract, _ = state_shardings(cfg, tx, mesh, get_rule_set("dp"))
-    dp = audit_sharding(dp_abstract["params"], name="params")
+    dp = audit_sharding(dp_abstract.params, name="params")
     assert dp.total_bytes == fsdp.total_bytes == cfg.param_count() * 4
     # Under dp every weight split over tensor has 8 copies, the norms 16: per device, a weight of B
     # bytes costs B / 2 (split weights) or B (norms), of which B / 16 is its ideal share.

@@ -235,10 +235,10 @@ class Checkpointer:
         if not allow_unverified:
             raise UnverifiedCheckpoint(
                 f"step {step} in {self.directory} has {what}: its arrays cannot be verified, so it is not "
-                f"restored. Bind TrainConfig.allow_unverified_restore=True to restore it unverified, or move "
+                f"restored. Bind CheckpointConfig.allow_unverified_restore=True to restore it unverified, or move "
                 f"{self.directory}/{step} aside to resume from an older step")
         _print_once(f"warning: step {step} in {self.directory} has {what}: restored WITHOUT verification "
-                    f"(TrainConfig.allow_unverified_restore=True)")
+                    f"(CheckpointConfig.allow_unverified_restore=True)")
 
     def _expected_items(self, step, manifest, present, abstract_state, data_iterator, reset) -> set[str]:
         wanted = {k for k in STATE_ITEMS if k in abstract_state} | ({"data"} if data_iterator is not None else set())
@@ -252,7 +252,7 @@ class Checkpointer:
             them = "them" if len(missing) > 1 else "it"
             raise CheckpointError(
                 f"checkpoint {self.directory}/{step} has no {' and no '.join(missing)} item; resuming would "
-                f"silently restart {them}. Bind TrainConfig.reset_on_resume={tuple(missing)!r} to start {them} "
+                f"silently restart {them}. Bind CheckpointConfig.reset_on_resume={tuple(missing)!r} to start {them} "
                 f"fresh on purpose")
         return (wanted & saved & present) - set(reset)
 
@@ -291,7 +291,7 @@ class Checkpointer:
                     self.manager.reload()
                 return step, state, self.manifest(step) or {}
             if strict:
-                raise CorruptCheckpoint(f"{error} (TrainConfig.strict_restore: no fallback)")
+                raise CorruptCheckpoint(f"{error} (CheckpointConfig.strict_restore: no fallback)")
             problems.append(error)
             where = f"moved to {self._quarantine(step)}" if quarantine else "skipped"
             if jax.process_index() == 0:

@@ -147,7 +147,7 @@ def fit_item(step: int, step_dir: str, item: str, abstract) -> ItemFit:
     # end). So it is always restored into the saved tree, then moved into this run's by path.
     moved = moved_leaves(saved, now) if item == "opt_state" else None
     if moved is None:
-        fix = ("bind TrainConfig.reset_on_resume=('opt_state',) to start the optimizer state fresh on purpose"
+        fix = ("bind CheckpointConfig.reset_on_resume=('opt_state',) to start the optimizer state fresh on purpose"
                if item == "opt_state" else "train into a fresh workdir")
         raise IncompatibleCheckpoint(
             f"step {step} in {os.path.dirname(step_dir)}: the saved {item} does not fit this run's "

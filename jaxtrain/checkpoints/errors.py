@@ -21,4 +21,4 @@ class IncompatibleCheckpoint(CheckpointError):
 
 class UnverifiedCheckpoint(CheckpointError):
     """A step without a manifest (or without fingerprints in it): its arrays cannot be verified,
-    so it is restored only when the run allows that (TrainConfig.allow_unverified_restore)."""
+    so it is restored only when the run allows that (CheckpointConfig.allow_unverified_restore)."""

@@ -71,7 +71,7 @@ def bench_layout(exp, plan, *, steps: int, compile_only: bool, max_replicated: f
     setup = build_train_setup(exp.model, plan, t, exp.optimizer, devices)
     abstract, step = setup.state.abstract, setup.train_step
     abstract_batch = setup.abstract_batch(t.global_batch, t.seq_len)
-    audit = audit_sharding(setup.state.abstract["params"], name="params")
+    audit = audit_sharding(setup.state.abstract.params, name="params")
     if max_replicated is not None:
         check_sufficiently_sharded(audit, max_replicated)
     t0 = time.perf_counter()
@@ -107,7 +107,7 @@ def bench_layout(exp, plan, *, steps: int, compile_only: bool, max_replicated: f
             times.append(time.perf_counter() - t1)
     step_time = statistics.median(times)
     tps = t.global_batch * t.seq_len / step_time
-    peak = peak_flops(jax.devices()[0].device_kind, t.peak_flops_per_device)
+    peak = peak_flops(jax.devices()[0].device_kind, exp.observe.peak_flops_per_device)
     out.update(step_time_s=step_time, tokens_per_sec=tps,
                mfu=model_flops_utilization(exp.model.flops_per_token(t.seq_len), tps, peak, setup.mesh.size))
     return out

@@ -31,10 +31,11 @@ def evaluate_stream(setup, params, stream, *, seq_len: int, stride: int, batch_s
     return {"loss": loss, "perplexity": math.exp(min(loss, 80.0)), "tokens": int(tokens)}
 
 
-def restore_latest_params(setup, workdir: str, allow_unverified: bool):
-    """(step, params) of the newest intact checkpoint in workdir/checkpoints, params in the
-    canonical (on-disk) layout on `setup`'s mesh; exits 2 (no checkpoint, another model's) or
-    with the checkpoint exit code. Shared by eval and generate."""
+def restore_latest_params(setup, workdir: str, allow_unverified: bool, *, as_saved: bool = True):
+    """(step, params) of the newest intact checkpoint in workdir/checkpoints through the one restore
+    path (TrainSetup.restore): params on `setup`'s mesh, in the canonical (on-disk) layout, or
+    `as_saved=False` in the setup's own (pipeline stages); exits 2 (no checkpoint, another
+    model's) or with the checkpoint exit code. Shared by eval and generate."""
     from jaxtrain.checkpoints.checkpointer import CheckpointError, Checkpointer, IncompatibleCheckpoint
     from jaxtrain.resilience import exit_codes
 
@@ -43,15 +44,15 @@ def restore_latest_params(setup, workdir: str, allow_unverified: bool):
         if checkpointer.latest_step() is None:
             fail(f"no checkpoint in {workdir}/checkpoints")
         try:  # the newest intact step (a corrupt newer one is reported and skipped, not moved)
-            step, restored, _ = checkpointer.restore_latest({"params": setup.state.disk_abstract["params"]},
-                                                            quarantine=False, allow_unverified=allow_unverified)
+            restored = setup.restore(checkpointer, params_only=True, as_saved=as_saved, quarantine=False,
+                                     allow_unverified=allow_unverified)
         except IncompatibleCheckpoint as e:  # written for another model: a config error, like a bad flag
             fail(str(e))
         except CheckpointError as e:
             fail(str(e), code=exit_codes.CHECKPOINT)
     finally:
         checkpointer.close()
-    return step, restored["params"]
+    return restored.step, restored.params
 
 
 def main(argv=None) -> int:
@@ -98,8 +99,7 @@ def main(argv=None) -> int:
         stream = tokenize_text_stream(args.data, tokenizer)
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
-    step, disk_params = restore_latest_params(setup, args.workdir, exp.train.allow_unverified_restore)
-    params = setup.state.from_disk({"params": disk_params})["params"]
+    step, params = restore_latest_params(setup, args.workdir, exp.checkpoint.allow_unverified_restore, as_saved=False)
     result = evaluate_stream(setup, params, stream, seq_len=seq_len, stride=args.stride or max(seq_len // 2, 1),
                              batch_size=batch_size, pad_id=tokenizer.pad_id)
     print(json.dumps({"checkpoint_step": step, "data": args.data, **result}), flush=True)

@@ -1,7 +1,7 @@
 """Process start-up shared by the CLIs: gin parsing, simulated CPU devices, multi-host init.
 
 Runs before jax is imported: XLA reads the simulated-device flag only at backend start.
-Several processes join through jax.distributed within TrainConfig.peer_timeout_s (read from
+Several processes join through jax.distributed within ResilienceConfig.peer_timeout_s (read from
 gin before jax starts), or every started one exits with exit_codes.PEER and one line.
 """
 from __future__ import annotations
@@ -130,13 +130,14 @@ def gin_binding(gin_files, gin_params, selector: str, arg: str, default):
     return value
 
 
-# TrainConfig.peer_timeout_s's default (jaxtrain/training/config.py imports jax-dependent modules, so the
+# ResilienceConfig.peer_timeout_s's default (jaxtrain/training/config.py imports jax-dependent modules, so the
 # CLI reads the binding from gin before importing it; tests/faults check the two agree).
 DEFAULT_PEER_TIMEOUT_S = 60.0
 
 
 def peer_timeout_s(gin_files, gin_params) -> float:
-    value = gin_binding(gin_files, gin_params, "TrainConfig", "peer_timeout_s", DEFAULT_PEER_TIMEOUT_S)
+    old = gin_binding(gin_files, gin_params, "TrainConfig", "peer_timeout_s", DEFAULT_PEER_TIMEOUT_S)  # (moved)
+    value = gin_binding(gin_files, gin_params, "ResilienceConfig", "peer_timeout_s", old)
     try:
         value = float(value)
     except (TypeError, ValueError):
@@ -194,7 +195,7 @@ def join_processes(args, processes: int, timeout_s: float) -> None:
             what = f"cannot reach the coordinator at {address} (is process 0 running there?)"
         else:
             what = f"not all {processes} processes joined the coordinator at {address}"
-        print(f"error: {who}: {what} within {timeout_s:g} s (TrainConfig.peer_timeout_s)",
+        print(f"error: {who}: {what} within {timeout_s:g} s (ResilienceConfig.peer_timeout_s)",
               file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(exit_codes.PEER)

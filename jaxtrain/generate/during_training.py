@@ -1,4 +1,4 @@
-"""Samples while training (`TrainConfig.sample_every` / `sample_prompts`): greedy continuations of
+"""Samples while training (`ObserveConfig.sample_every` / `sample_prompts`): greedy continuations of
 fixed prompts from the current parameters, on the run's own mesh, built once and reused (one
 compile of prefill and decode for the whole run)."""
 from __future__ import annotations
@@ -15,11 +15,11 @@ class TrainingSampler:
 
         self.tr = trainer
         self.tokenizer = load_tokenizer(trainer.exp.data.tokenizer)
-        self.prompts = list(trainer.exp.train.sample_prompts)
+        self.prompts = list(trainer.exp.observe.sample_prompts)
         self.ids = [self.tokenizer.encode(p) for p in self.prompts]
         empty = [p for p, i in zip(self.prompts, self.ids) if not i]
         if empty:
-            raise ValueError(f"TrainConfig.sample_prompts: {empty[0]!r} encodes to no tokens")
+            raise ValueError(f"ObserveConfig.sample_prompts: {empty[0]!r} encodes to no tokens")
         self.engine = None
 
     def __call__(self, params) -> list[dict]:
@@ -31,6 +31,6 @@ class TrainingSampler:
             self.engine = Engine(model, mesh=self.tr.mesh, rules=self.tr.rules, cache_dtype=cache_dtype(model))
         else:
             self.engine.state = nnx.state(canonical_model(model_cfg, canonical))
-        new = self.engine.generate(self.ids, max_new_tokens=self.tr.exp.train.sample_tokens,
+        new = self.engine.generate(self.ids, max_new_tokens=self.tr.exp.observe.sample_tokens,
                                    eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
         return [{"prompt": p, "text": self.tokenizer.decode(n)} for p, n in zip(self.prompts, new)]

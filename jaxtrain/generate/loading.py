@@ -90,6 +90,6 @@ def load_workdir(workdir: str) -> Loaded:
     plan = ParallelPlan.from_experiment(exp)
     devices = jax.devices()[:plan.mesh.fixed_device_count()] if -1 not in plan.mesh.sizes().values() else None
     setup = build_train_setup(exp.model, plan, exp.train, exp.optimizer, devices)
-    _, params = restore_latest_params(setup, workdir, exp.train.allow_unverified_restore)
+    _, params = restore_latest_params(setup, workdir, exp.checkpoint.allow_unverified_restore)
     tokenizer = load_tokenizer(exp.data.tokenizer) if exp.data.tokenizer else None
     return Loaded(canonical_model(exp.model, params), setup.mesh, setup.rules, tokenizer, None)

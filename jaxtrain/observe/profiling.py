@@ -1,4 +1,4 @@
-"""`TrainConfig.profile_steps=(start, stop)`: a jax.profiler trace of steps start..stop (inclusive)
+"""`ObserveConfig.profile_steps=(start, stop)`: a jax.profiler trace of steps start..stop (inclusive)
 in `<workdir>/profile/process_<i>/`, on every process. Open it with TensorBoard's profile plugin
 (`tensorboard --logdir <workdir>/profile`) or load the `perfetto_trace.json.gz` it holds at
 ui.perfetto.dev."""

@@ -15,8 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.checkpoints.checkpointer import STATE_ITEMS
 from jaxtrain.pipeline.layout import PipelineLayout
-from jaxtrain.training.state import (abstract_model, count_params, in_memory, init_state, optimizer_shardings,
-                                     param_shardings, shardings_by_path, with_shardings)
+from jaxtrain.training.state import (TrainState, abstract_model, count_params, in_memory, init_state,
+                                     optimizer_shardings, param_shardings, shardings_by_path, with_shardings)
 from meshes.pipeline_split import StagePlan
 from meshes.rules import RuleSet, RuleTable, table_name
 
@@ -32,11 +32,11 @@ class StagedState:
         params = jax.eval_shape(self.layout.to_stages, nnx.to_pure_dict(canonical))
         opt_state = jax.eval_shape(tx.init, params)
         names, shapes = self.layout.stage_names, self.layout.stage_shapes
-        self.shardings = {"step": replicated,
-                          "params": shardings_by_path(params, names, shapes, mesh, rules.params),
-                          "opt_state": in_memory(shardings_by_path(opt_state, names, shapes, mesh,
-                                                                   rules.optimizer_table), rules.optimizer_memory)}
-        self.abstract = with_shardings({"step": step, "params": params, "opt_state": opt_state}, self.shardings)
+        self.shardings = TrainState(step=replicated,
+                                    params=shardings_by_path(params, names, shapes, mesh, rules.params),
+                                    opt_state=in_memory(shardings_by_path(opt_state, names, shapes, mesh,
+                                                                          rules.optimizer_table), rules.optimizer_memory))
+        self.abstract = with_shardings(TrainState(step=step, params=params, opt_state=opt_state), self.shardings)
 
         on_pipeline = lambda table: RuleTable({**table, "layers": ("pipeline",)},
                                               f"{table_name(table) or 'rules'}, canonical stacks' layers over pipeline")
@@ -51,7 +51,7 @@ class StagedState:
         self.num_params = count_params(disk_params)
         self._regroupers = {}
 
-    def init(self, seed: int) -> dict:
+    def init(self, seed: int) -> TrainState:
         return init_state(self.model_cfg, self.tx, self.shardings, seed, regroup=self.layout.to_stages)
 
     def from_disk(self, state: dict) -> dict:
@@ -64,7 +64,7 @@ class StagedState:
     def _regroup(self, state, direction: str):
         items = tuple(k for k in STATE_ITEMS if k in state)
         if (direction, items) not in self._regroupers:  # one jitted regroup per shape of state, not per save
-            fn, shardings = ((self.layout.to_stages, self.shardings) if direction == "to_stages"
+            fn, shardings = ((self.layout.to_stages, self.shardings.checkpoint_items()) if direction == "to_stages"
                              else (self.layout.to_canonical, self.disk_shardings))
             self._regroupers[direction, items] = jax.jit(fn, out_shardings={k: shardings[k] for k in items})
         return {**state, **self._regroupers[direction, items]({k: state[k] for k in items})}

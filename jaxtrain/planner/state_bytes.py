@@ -96,7 +96,7 @@ def state_shapes(model_cfg, tx, pipeline=None, stages: int = 1) -> StateShapes:
     else:
         layout = CanonicalState(model_cfg, tx, mesh, rules)
         names = _canonical_names(model_cfg)
-        shapes = {p: tuple(a.shape) for p, a in _flat(layout.abstract["params"])}
+        shapes = {p: tuple(a.shape) for p, a in _flat(layout.abstract.params)}
     moments = {path: 0 for path in shapes}
     other = []
 
@@ -104,9 +104,9 @@ def state_shapes(model_cfg, tx, pipeline=None, stages: int = 1) -> StateShapes:
         moments[path] += 1
         return leaf
 
-    map_param_leaves(count, layout.abstract["opt_state"], shapes, other=lambda leaf: other.append(leaf) or leaf)
+    map_param_leaves(count, layout.abstract.opt_state, shapes, other=lambda leaf: other.append(leaf) or leaf)
     params = tuple(ParamShape(path, tuple(a.shape), tuple(names[path]), np.dtype(a.dtype).itemsize, moments[path])
-                   for path, a in _flat(layout.abstract["params"]))
+                   for path, a in _flat(layout.abstract.params))
     other_bytes = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in other)
     return StateShapes(params, other_bytes, int(layout.num_params))
 

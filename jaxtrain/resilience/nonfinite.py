@@ -3,7 +3,7 @@
 The step itself never applies such an update (jaxtrain/training/step.py keeps the previous params and
 optimizer state on device and reports `nonfinite`), so the state in memory, and every
 checkpoint written from it, stays finite whatever the policy. The host learns of it one step
-late, with the metrics, and asks the policy (`TrainConfig.nonfinite`):
+late, with the metrics, and asks the policy (`ResilienceConfig.nonfinite`):
 
   Halt()                  stop: save nothing, exit 3 naming the step and the first parameter
                           whose gradient is not finite (the default)
@@ -72,4 +72,4 @@ class NonFiniteTracker:
         if isinstance(self.policy, Rollback):
             return (f"still non-finite after {self.rollbacks} rollbacks "
                     f"(Rollback.max_rollbacks={self.policy.max_rollbacks})")
-        return "TrainConfig.nonfinite=@Halt()"
+        return "ResilienceConfig.nonfinite=@Halt()"

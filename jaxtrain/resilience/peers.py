@@ -169,7 +169,7 @@ class Peers:
             if silent >= (self.dead_after if counter is not None else 2 * self.dead_after):
                 return (f"process {self.index}: {self.name(j)} stopped responding: no heartbeat through "
                         f"the coordinator for {silent:.0f} s (killed, crashed or its machine is down; "
-                        f"TrainConfig.peer_timeout_s={self.timeout_s:g})")
+                        f"ResilienceConfig.peer_timeout_s={self.timeout_s:g})")
         return None
 
     # -- the watcher thread ---------------------------------------------------------------------

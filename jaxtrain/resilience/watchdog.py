@@ -20,7 +20,7 @@ import time
 from jaxtrain.resilience import exit_codes
 from jaxtrain.resilience.peers import flush_and_exit, write_line
 
-# Work that is not a step, each bounded by TrainConfig.hang_<phase>_s.
+# Work that is not a step, each bounded by ResilienceConfig.hang_<phase>_s.
 PHASES = ("restore", "save", "eval")
 
 
@@ -133,16 +133,16 @@ class Watchdog:
             bound = self.bounds[name]
             if now - started > bound:
                 return (f"process {self.index}: hung: {what} has not finished after {now - started:.0f} s, over "
-                        f"the bound TrainConfig.hang_{name}_s={bound:g}")
+                        f"the bound ResilienceConfig.hang_{name}_s={bound:g}")
         if phases or not steps or now - since <= limit:
             return None
         flight = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
         if warming:
             return (f"process {self.index}: hung: no step finished for {now - since:.0f} s ({flight} in flight, "
                     f"among the first {self.warmup} steps, compilation included), over the bound "
-                    f"TrainConfig.hang_first_steps_s={limit:g}")
+                    f"ResilienceConfig.hang_first_steps_s={limit:g}")
         return (f"process {self.index}: hung: no step finished for {now - since:.0f} s ({flight} in flight), "
-                f"over the limit {limit:.0f} s = max(TrainConfig.hang_min_s={self.min_seconds:g}, "
+                f"over the limit {limit:.0f} s = max(ResilienceConfig.hang_min_s={self.min_seconds:g}, "
                 f"hang_factor={self.factor:g} x the median step {median:.3g} s)")
 
     def _hang(self, message: str) -> None:

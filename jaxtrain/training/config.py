@@ -12,9 +12,10 @@ from jaxtrain.training.device_groups import DeviceGroups
 from jaxtrain.data.packing import REPO_ROOT, DataConfig
 from jaxtrain.training.mesh_configurable import GinMeshConfig
 from jaxtrain.training.optim import OptimizerConfig
+from jaxtrain.training.moved_bindings import apply_moved, split_moved
 from jaxtrain.training.parallel_plan import ParallelPlan
+from jaxtrain.training.run_configs import RUN_CONFIGS, CheckpointConfig, ObserveConfig, ResilienceConfig
 from jaxtrain.pipeline.config import PipelineConfig
-from jaxtrain.resilience.nonfinite import Halt
 from meshes.context_layout import AllGatherKV, ContextParallel, Contiguous, LoadBalanced, RingKV
 from meshes.mesh_config import MeshConfig
 from models.family import families
@@ -29,9 +30,10 @@ GinOptimizerConfig = gin.external_configurable(OptimizerConfig, name="OptimizerC
 GinDeviceGroups = gin.external_configurable(DeviceGroups, name="DeviceGroups", module="jaxtrain")
 
 
-@gin.configurable(module="jaxtrain")
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
+    """The run's shape and what one step computes. Checkpointing, resilience and observability
+    have their own configurables (jaxtrain/training/run_configs.py)."""
     steps: int = 100
     global_batch: int = 8
     seq_len: int = 128
@@ -42,72 +44,31 @@ class TrainConfig:
     rules: str = "dp"  # rule table in meshes/rules.py: dp | zero1 | fsdp | dp_sp | fsdp_sp
     z_loss: float = 0.0
     loss_chunk: int = 1024  # tokens of sequence per chunk in the chunked cross-entropy
-    log_every: int = 10
-    eval_every: int = 100  # 0 disables periodic eval (a final eval still runs)
-    eval_batches: int = 4
-    # Greedy samples of sample_prompts every sample_every steps (0: none), sample_tokens new tokens
-    # each, to metrics.jsonl (kind "sample") and TensorBoard's text tab (jaxtrain/generate/).
-    sample_every: int = 0
-    sample_prompts: tuple[str, ...] = ()
-    sample_tokens: int = 32
-    checkpoint_every: int = 100  # 0: only at the end
-    keep_checkpoints: int = 3
-    async_checkpoint: bool = True
-    peak_flops_per_device: float | None = None  # overrides the device table for MFU
     # The sequence over the `context` axis: layout (LoadBalanced | Contiguous) and how ranks see
     # each other's keys (RingKV | AllGatherKV); meshes/context_layout.py.
     context_parallel: ContextParallel = ContextParallel()
-    # resilience (jaxtrain/resilience/): a missing or dead peer, or a failure reported by one, ends
-    # every process within peer_timeout_s; a step slower than hang_factor x the median step (and
-    # than hang_min_s) dumps every thread's stack and exits (jaxtrain/resilience/watchdog.py), as
-    # does each of the first steps (compilation included) past hang_first_steps_s, and a restore,
-    # a save (with its wait for the write) or an eval past its own bound.
-    peer_timeout_s: float = 60.0
-    hang_factor: float = 10.0
-    hang_min_s: float = 120.0
-    hang_first_steps_s: float = 3600.0
-    hang_restore_s: float = 3600.0
-    hang_save_s: float = 1800.0
-    hang_eval_s: float = 1800.0
-    # A step whose loss, gradient norm or new parameters are not finite is never applied; then
-    # @Halt() (exit 3), @Skip() (drop the batch) or @Rollback() (newest checkpoint, skip the batch).
-    nonfinite: Any = Halt()
-    # Checkpoint items to start fresh on resume, on purpose ("opt_state", "data"); a step
-    # lacking an item the run needs is otherwise an error.
-    reset_on_resume: tuple[str, ...] = ()
-    strict_restore: bool = False  # a corrupt newest checkpoint is an error, not a fallback
-    # A step without a manifest (or fingerprints) cannot be verified: refused (exit 4) unless True,
-    # then restored with a warning.
-    allow_unverified_restore: bool = False
-    # (start, stop): a jax.profiler trace of steps start..stop into <workdir>/profile (jaxtrain/observe/profiling.py)
-    profile_steps: tuple[int, int] | None = None
+    # Old-style bindings of fields that moved (jaxtrain/training/moved_bindings.py), as
+    # ((name, value), ...): load_experiment hands them to their new configurables.
+    moved_bindings: Any = dataclasses.field(default=(), repr=False, compare=False)
 
     def validate(self) -> None:
         check_config_types(self)
-        for name in ("steps", "global_batch", "seq_len", "microbatches", "log_every", "eval_batches",
-                     "keep_checkpoints", "loss_chunk"):
+        for name in ("steps", "global_batch", "seq_len", "microbatches", "loss_chunk"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TrainConfig.{name} must be positive, got {getattr(self, name)}")
-        for name in ("peer_timeout_s", "hang_factor", "hang_min_s", "hang_first_steps_s", "hang_restore_s",
-                     "hang_save_s", "hang_eval_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"TrainConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.sample_every < 0 or self.sample_tokens < 1:
-            raise ValueError(f"TrainConfig.sample_every must be >= 0 and sample_tokens >= 1, got "
-                             f"{self.sample_every} and {self.sample_tokens}")
-        if self.sample_every and not self.sample_prompts:
-            raise ValueError("TrainConfig.sample_every is set but sample_prompts is empty")
-        for name in ("eval_every", "checkpoint_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if self.profile_steps is not None and not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
-            raise ValueError(f"TrainConfig.profile_steps must be (start, stop) with 1 <= start <= stop, "
-                             f"got {self.profile_steps}")
-        unknown = set(self.reset_on_resume) - {"opt_state", "data"}
-        if unknown:
-            raise ValueError(f"TrainConfig.reset_on_resume may hold 'opt_state' and 'data', got {sorted(unknown)}")
-        if not hasattr(self.nonfinite, "decide"):
-            raise ValueError(f"TrainConfig.nonfinite must be @Halt(), @Skip() or @Rollback(), got {self.nonfinite!r}")
+
+
+@gin.configurable("TrainConfig", module="jaxtrain")
+def gin_train_config(**bindings) -> TrainConfig:
+    """TrainConfig as gin builds it: also accepts the bindings of fields that moved to
+    CheckpointConfig / ResilienceConfig / ObserveConfig (saved config.gin files)."""
+    own, moved = split_moved(bindings)
+    fields = [f.name for f in dataclasses.fields(TrainConfig) if f.name != "moved_bindings"]
+    unknown = sorted(set(own) - set(fields))
+    if unknown:
+        raise ValueError(f"TrainConfig has no field {unknown[0]!r} (its fields: {', '.join(fields)}; see also "
+                         f"CheckpointConfig, ResilienceConfig, ObserveConfig)")
+    return TrainConfig(**own, moved_bindings=moved)
 
 
 @gin.configurable(module="jaxtrain")
@@ -125,7 +86,22 @@ class Experiment:
     # Data parallelism over device groups with uneven batch shares (jaxtrain/training/device_groups.py):
     # `DeviceGroups.rows = (24, 8)` alone is enough (load_experiment picks it up).
     groups: DeviceGroups | None = None
+    # The run's settings by concern (jaxtrain/training/run_configs.py); unbound: their gin
+    # bindings and defaults.
+    checkpoint: CheckpointConfig | None = None
+    resilience: ResilienceConfig | None = None
+    observe: ObserveConfig | None = None
 
+    def __post_init__(self):
+        for part, make in RUN_CONFIGS.items():
+            if getattr(self, part) is None:
+                object.__setattr__(self, part, make())
+
+    def validate(self) -> None:
+        """The run's settings, each named by its configurable on error."""
+        self.train.validate()
+        for part in RUN_CONFIGS:
+            getattr(self, part).validate()
 
     @functools.cached_property
     def plan(self) -> ParallelPlan:
@@ -140,18 +116,26 @@ def load_experiment() -> Experiment:
         exp = Experiment()
     except TypeError as e:  # a binding of the wrong kind, raised while gin builds a config
         raise ValueError(f"bad gin config: {e}") from None
+    except ValueError as e:  # a config's own check (gin adds an "In call to configurable" line)
+        raise ValueError(str(e).split("\n")[0]) from None
     if exp.model is None:
         raise ValueError("no model configured: bind Experiment.model (e.g. `Experiment.model = @LlamaConfig()`)")
+    try:
+        train = exp.train or gin_train_config()
+    except ValueError as e:
+        raise ValueError(str(e).split("\n")[0]) from None
     exp = dataclasses.replace(
         exp,
         mesh=exp.mesh or GinMeshConfig(),
-        train=exp.train or TrainConfig(),
+        train=train,
         data=exp.data or GinDataConfig(),
         optimizer=exp.optimizer or GinOptimizerConfig(),
         pipeline=exp.pipeline or PipelineConfig(),
         groups=exp.groups or GinDeviceGroups(),
     )
-    for part in (exp.model, exp.mesh, exp.train, exp.data, exp.optimizer, exp.pipeline, exp.groups):
+    exp = apply_moved(exp, exp.train.moved_bindings)
+    for part in (exp.model, exp.mesh, exp.train, exp.data, exp.optimizer, exp.pipeline, exp.groups,
+                 *(getattr(exp, part) for part in RUN_CONFIGS)):
         check_config_types(part)
     exp.plan  # built and kept: a bad Experiment.layout string is a config error now
     return exp

@@ -49,7 +49,7 @@ class GroupedTrainStep:
                  rules: RuleSet, state_shardings, batch_shardings: dict,
                  context_parallel: ContextParallel = ContextParallel()):
         self.layout = layout
-        params_shardings = state_shardings["params"]
+        params_shardings = state_shardings.params
         self._count, self._gradients = {}, {}
         for g in layout.own:
             mesh = layout.meshes[g]
@@ -73,7 +73,7 @@ class GroupedTrainStep:
                                      params_shardings)
         self._total_tokens = jax.jit(lambda counts: loss_tokens(counts.sum()), in_shardings=(by_group,),
                                      out_shardings=everywhere)
-        update = make_update(graphdef, tx, schedule, rules=rules, opt_state_shardings=state_shardings["opt_state"])
+        update = make_update(graphdef, tx, schedule, rules=rules, opt_state_shardings=state_shardings.opt_state)
         metrics_of = gradients[0].metrics  # every group's strategy averages over all M microbatches
 
         def apply(state, grads, sums, aux, total_tokens):
@@ -88,7 +88,7 @@ class GroupedTrainStep:
         layout = self.layout
         counts = layout.stack({g: self._count[g](batches[g]) for g in layout.own})
         total_tokens = self._total_tokens(counts)
-        outputs = {g: self._gradients[g](layout.view(state["params"], g), batches[g], layout.view(total_tokens, g))
+        outputs = {g: self._gradients[g](layout.view(state.params, g), batches[g], layout.view(total_tokens, g))
                    for g in layout.own}
         grads, sums, aux = layout.stack(outputs)
         return self._apply(state, grads, sums, aux, total_tokens)

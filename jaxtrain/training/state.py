@@ -1,20 +1,45 @@
 """The train state (`step`, `params`, `opt_state`) and its shardings, built from logical names.
 
 Parameters are a plain nested dict (the model's `nnx.State` as a pure dict) with layers
-stacked on a leading axis: that tree, not any mesh layout, is what checkpoints hold.
+stacked on a leading axis: that tree, not any mesh layout, is what checkpoints hold. In memory
+the state is a typed `TrainState`; on disk it is the dict of its items ({"step", "params",
+"opt_state"}: the keys every checkpoint, old or new, is written under).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshes.rules import RuleSet, ShardingRuleError, Table, named_sharding, table_name
 from meshes.tree_paths import path_keys
 from models.layers.params import logical_axes, optimizer_role
 
-TrainState = dict  # {"step": int32[], "params": {...}, "opt_state": optax state}
+
+
+@struct.dataclass
+class TrainState:
+    """What one optimizer step reads and writes: `step` (int32 scalar), `params` (the model's
+    pure-dict state, in this run's in-memory layout) and `opt_state` (the optax state). A pytree:
+    the same class holds arrays, ShapeDtypeStructs or shardings."""
+    step: Any
+    params: Any
+    opt_state: Any
+
+    def checkpoint_items(self) -> dict:
+        """The state as the tree a checkpoint holds: {"step", "params", "opt_state"}."""
+        return {"step": self.step, "params": self.params, "opt_state": self.opt_state}
+
+    @classmethod
+    def from_items(cls, items: dict) -> "TrainState":
+        """The inverse of checkpoint_items (every item present)."""
+        missing = {"step", "params", "opt_state"} - set(items)
+        if missing:
+            raise ValueError(f"a TrainState needs the items {sorted(missing)} as well")
+        return cls(step=items["step"], params=items["params"], opt_state=items["opt_state"])
 
 
 def abstract_model(model_cfg):
@@ -116,13 +141,13 @@ def state_shardings(model_cfg, tx, mesh, rules: RuleSet):
     graphdef, abstract_state = abstract_model(model_cfg)
     params_abstract = nnx.to_pure_dict(abstract_state)
     opt_abstract = jax.eval_shape(tx.init, params_abstract)
-    shardings = {
-        "step": NamedSharding(mesh, PartitionSpec()),
-        "params": param_shardings(abstract_state, mesh, rules.params),
-        "opt_state": in_memory(optimizer_shardings(opt_abstract, abstract_state, mesh, rules.optimizer_table),
-                               rules.optimizer_memory),
-    }
-    abstract = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params_abstract, "opt_state": opt_abstract}
+    shardings = TrainState(
+        step=NamedSharding(mesh, PartitionSpec()),
+        params=param_shardings(abstract_state, mesh, rules.params),
+        opt_state=in_memory(optimizer_shardings(opt_abstract, abstract_state, mesh, rules.optimizer_table),
+                            rules.optimizer_memory),
+    )
+    abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params_abstract, opt_state=opt_abstract)
     return graphdef, with_shardings(abstract, shardings), shardings
 
 
@@ -134,7 +159,7 @@ def init_state(model_cfg, tx, shardings, seed: int, regroup=None) -> TrainState:
     def init(key):
         params = nnx.to_pure_dict(nnx.state(model_cfg.build(nnx.Rngs(params=key))))
         params = regroup(params) if regroup is not None else params
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
     return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
 

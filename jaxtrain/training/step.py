@@ -100,8 +100,8 @@ def make_update(graphdef, tx, schedule, *, rules: RuleSet, opt_state_shardings):
         to_device = lambda opt: jax.tree.map(jax.device_put, opt, on_device)
 
     def update(state, grads, sums, aux, total_tokens, aux_metrics: dict):
-        params = state["params"]
-        old_opt_state = to_device(state["opt_state"])
+        params = state.params
+        old_opt_state = to_device(state.opt_state)
         updates, opt_state = tx.update(grads, old_opt_state, params)
         new_params = optax.apply_updates(params, updates)
         if has_after_update(aux):  # e.g. the MoE routers' correction biases follow the load
@@ -125,7 +125,7 @@ def make_update(graphdef, tx, schedule, *, rules: RuleSet, opt_state_shardings):
             "accuracy": correct / total_tokens,
             "grad_norm": grad_norm,
             "param_norm": param_norm,
-            "learning_rate": schedule(state["step"]),
+            "learning_rate": schedule(state.step),
             "loss_tokens": total_tokens,
             "nonfinite": 1.0 - finite.astype(jnp.float32),
             # index into jax.tree.leaves(params) of the first non-finite gradient, -1 if none
@@ -133,8 +133,8 @@ def make_update(graphdef, tx, schedule, *, rules: RuleSet, opt_state_shardings):
                                               jnp.argmax(~jnp.isfinite(grad_squares))),
             **aux_metrics,
         }
-        new_state = {"step": state["step"] + 1, "params": keep_if_finite(new_params, params),
-                     "opt_state": keep_if_finite(opt_state, old_opt_state)}
+        new_state = state.replace(step=state.step + 1, params=keep_if_finite(new_params, params),
+                                  opt_state=keep_if_finite(opt_state, old_opt_state))
         return new_state, metrics
 
     return update
@@ -145,12 +145,12 @@ def make_train_step(graphdef, tx, schedule, gradients, *, mesh, rules: RuleSet, 
     """`gradients`: how the batch's gradient is computed (AccumulatedGradients, or
     jaxtrain/pipeline/gradients.py PipelinedGradients); `context_parallel`: the sequence layout
     and K/V exchange over the `context` axis."""
-    update = make_update(graphdef, tx, schedule, rules=rules, opt_state_shardings=state_shardings["opt_state"])
+    update = make_update(graphdef, tx, schedule, rules=rules, opt_state_shardings=state_shardings.opt_state)
 
     def step(state, batch):
         with use_rules(mesh, rules), use_context_parallel(context_parallel):
             total_tokens = loss_tokens(batch["loss_mask"].sum())
-            grads, sums, aux = gradients(state["params"], batch, total_tokens)
+            grads, sums, aux = gradients(state.params, batch, total_tokens)
             return update(state, grads, sums, aux, total_tokens, gradients.metrics(aux))
 
     replicated = NamedSharding(mesh, PartitionSpec())

@@ -23,6 +23,8 @@ from jaxtrain.resilience.exit_codes import RunStopped
 from jaxtrain.resilience.nonfinite import HALT, ROLLBACK, NonFiniteTracker
 from jaxtrain.resilience.preemption import StopSignals
 from jaxtrain.resilience.watchdog import Watchdog
+from jaxtrain.training.state import TrainState
+from jaxtrain.training.train_loop_parts import LoopParts
 from meshes.mesh import describe
 
 
@@ -31,25 +33,25 @@ class _RolledBack(Exception):
 
 
 class TrainLoop:
-    def __init__(self, trainer, checkpointer, peers, state, resume: dict, stop_after: int | None, *,
-                 watchdog: Watchdog | None = None, signals: StopSignals | None = None):
+    def __init__(self, parts: LoopParts, checkpointer, peers, state: TrainState, resume: dict,
+                 stop_after: int | None, *, watchdog: Watchdog | None = None, signals: StopSignals | None = None):
         """`watchdog` (started, already timing the run's restore) and `signals` (installed before
         start-up by the CLI) are the Trainer's; the loop makes its own when not given."""
-        self.tr, self.checkpointer, self.peers = trainer, checkpointer, peers
+        self.parts, self.setup, self.checkpointer, self.peers = parts, parts.setup, checkpointer, peers
         self.watchdog, self.signals = watchdog, signals
-        t = trainer.exp.train
-        self.t, self.state = t, state
-        self.step = int(jax.device_get(state["step"]))
+        t = parts.train
+        self.t, self.observe, self.state = t, parts.observe, state
+        self.step = int(jax.device_get(state.step))
         self.end = min(t.steps, stop_after) if stop_after else t.steps
         self.position = resume["data_position"]  # batches drawn from the data iterator so far
         self.skipped = set(resume["skipped_batches"])  # batch positions never to train on
         self.saved_step = resume.get("step")  # the newest step on disk, if any
-        self.tracker = NonFiniteTracker(t.nonfinite)
+        self.tracker = NonFiniteTracker(parts.resilience.nonfinite)
         self.is_main = jax.process_index() == 0
         # opened at the first row, keeping the rows up to the step resumed from: a stop before the
         # first step writes nothing
         self._writer, self.resumed_at = None, self.step
-        self._sampler = None  # built at the first sample (TrainConfig.sample_every)
+        self._sampler = None  # built at the first sample (ObserveConfig.sample_every)
         self.history, self.stopped_by = [], None
         self.tokens_per_step = t.global_batch * t.seq_len
         self._source_tokens = {}  # batch position -> this process's trained tokens per blend source
@@ -57,13 +59,13 @@ class TrainLoop:
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> list[dict]:
-        t = self.t
+        setup = self.setup
         if self.is_main:
-            print(f"jaxtrain: {self.tr.num_params / 1e6:.2f}M params, mesh {describe(self.tr.mesh)}, rules "
-                  f"{self.tr.rules.name}, steps {self.step}->{self.end}", flush=True)
-            if self.tr.pipeline_summary:
-                print(f"jaxtrain: {self.tr.pipeline_summary}", flush=True)
-            blend = self.tr.exp.data.blend
+            print(f"jaxtrain: {setup.state.num_params / 1e6:.2f}M params, mesh {describe(setup.mesh)}, rules "
+                  f"{setup.rules.name}, steps {self.step}->{self.end}", flush=True)
+            if setup.summary:
+                print(f"jaxtrain: {setup.summary}", flush=True)
+            blend = self.parts.blend
             if blend:  # what the metrics' source_tokens_<j> count
                 sources = enumerate(zip(blend[0::2], blend[1::2]))
                 print("jaxtrain: blend " + ", ".join(f"source_tokens_{j} = {path} (weight {weight})"
@@ -72,9 +74,9 @@ class TrainLoop:
         own_signals = self.signals is None
         signals = StopSignals(self.peers).install() if own_signals else self.signals.attach(self.peers)
         signals.last_step = self.end
-        self.profiler = StepProfiler(self.tr.workdir, t.profile_steps)
+        self.profiler = StepProfiler(self.parts.workdir, self.observe.profile_steps)
         if self.watchdog is None:
-            self.watchdog = Watchdog.for_run(t, self.peers).start()
+            self.watchdog = Watchdog.for_run(self.parts.resilience, self.peers).start()
         try:
             while True:
                 try:
@@ -110,7 +112,7 @@ class TrainLoop:
             self.watchdog.step_started(self.step + 1)
             position, batch = self._next_batch()
             self.profiler.before_step(self.step + 1)
-            new_state, metrics = self.tr.train_step(self.state, batch)
+            new_state, metrics = self.setup.train_step(self.state, batch)
             signals.steps_began()  # compiled and dispatched: a signal now stops after a step, saved
             self.profiler.after_step(self.step + 1, (new_state, metrics))
             if pending is not None:
@@ -119,14 +121,14 @@ class TrainLoop:
             pending = (self.step, metrics, position)
             self.checkpointer.check()
             stop = signals.should_stop(self.step)
-            checkpoint_due = _every(self.t.checkpoint_every, self.step) and self.step != self.end
+            checkpoint_due = _every(self.parts.checkpoint.checkpoint_every, self.step) and self.step != self.end
             if checkpoint_due or stop:  # a save must know its step was finite
                 self._settle(*pending)
                 pending = None
-            if _every(self.t.eval_every, self.step) and self.step != self.end:
+            if _every(self.observe.eval_every, self.step) and self.step != self.end:
                 with self.watchdog.phase("eval", f"the eval at step {self.step}"):
-                    self.writer.write(self.step, self.tr.evaluate(self.state["params"]), kind="eval")
-            if _every(self.t.sample_every, self.step):
+                    self.writer.write(self.step, self.parts.evaluate(self.state.params), kind="eval")
+            if _every(self.observe.sample_every, self.step):
                 self._sample()
             if checkpoint_due or stop:
                 self._save(wait=stop)
@@ -141,37 +143,37 @@ class TrainLoop:
             self._settle(*pending)
 
     def _sample(self) -> None:
-        """Greedy samples of TrainConfig.sample_prompts from the current parameters (every process
+        """Greedy samples of ObserveConfig.sample_prompts from the current parameters (every process
         runs the generation; process 0 writes)."""
         if self._sampler is None:
-            from jaxtrain.generate.during_training import TrainingSampler
-            self._sampler = TrainingSampler(self.tr)
+            self._sampler = self.parts.make_sampler()
         with self.watchdog.phase("eval", f"the samples at step {self.step}"):
-            self.writer.write_samples(self.step, self._sampler(self.state["params"]))
+            self.writer.write_samples(self.step, self._sampler(self.state.params))
 
     def _finish(self) -> None:
         if self.saved_step != self.step and self.step > 0:
             self._save(wait=True)
         if self.stopped_by is None and self.step == self.t.steps:
             with self.watchdog.phase("eval", f"the final eval at step {self.step}"):
-                self.writer.write(self.step, self.tr.evaluate(self.state["params"]), kind="eval")
+                self.writer.write(self.step, self.parts.evaluate(self.state.params), kind="eval")
 
     def _next_batch(self):
         """The next batch not in the skip list, as global arrays; and its position."""
         while True:
-            local, position = next(self.tr.train_iter), self.position
+            local, position = next(self.parts.train_iter), self.position
             self.position += 1
             if position not in self.skipped:
-                if "source_ids" in local:  # a blend: count each source's trained tokens (stripped by global_batch)
-                    self._source_tokens[position] = source_token_counts(local, len(self.tr.exp.data.blend) // 2)
-                return position, self.tr.global_batch(local)
+                if "source_ids" in local:  # a blend: count each source's trained tokens (stripped by the batch)
+                    self._source_tokens[position] = source_token_counts(local, len(self.parts.blend) // 2)
+                return position, self.setup.batch_from_process_rows(local)
 
     # -- one step's outcome ------------------------------------------------------------------
     def _settle(self, step: int, metrics, position: int) -> None:
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         counts = self._source_tokens.pop(position, None)
         if counts is not None:
-            values.update({f"source_tokens_{j}": n for j, n in enumerate(_all_processes(counts, self.tr))})
+            values.update({f"source_tokens_{j}": n for j, n in
+                           enumerate(_all_processes(counts, self.parts.data_shards))})
         self.watchdog.step_finished(step)
         now = time.perf_counter()
         elapsed, self._t0 = now - self._t0, now
@@ -193,8 +195,8 @@ class TrainLoop:
 
     def _describe_nonfinite(self, step: int, values: dict, position: int) -> str:
         index = int(values.get("first_nonfinite_grad", -1))
-        grad = (f", first non-finite gradient {self.tr.leaf_paths[index]}" if 0 <= index < len(self.tr.leaf_paths)
-                else "")
+        paths = self.parts.leaf_paths
+        grad = f", first non-finite gradient {paths[index]}" if 0 <= index < len(paths) else ""
         return (f"step {step} (batch {position}) is not finite: loss {values['loss']:.4g}, grad_norm "
                 f"{values['grad_norm']:.4g}, param_norm {values['param_norm']:.4g}{grad}")
 
@@ -203,8 +205,8 @@ class TrainLoop:
         offending batches are in the skip list, so the replay trains past them."""
         with self.watchdog.phase("restore", "the rollback's restore"):
             self.checkpointer.wait()
-            state, resume = self.tr.restore_or_init(self.checkpointer)
-        self.state, self.step = state, int(jax.device_get(state["step"]))
+            state, resume = self.parts.restore_or_init(self.checkpointer)
+        self.state, self.step = state, int(jax.device_get(state.step))
         self.skipped |= set(resume["skipped_batches"])
         self.position = resume["data_position"]  # the iterator was restored (or reset) with the state
         self.writer.rewind(self.step)
@@ -218,8 +220,8 @@ class TrainLoop:
         with self.watchdog.phase("save", f"the save of step {self.step}"):
             # (every saved state is finite: the step never applies a non-finite update)
             extra = {"data_position": self.position, "skipped_batches": sorted(self.skipped)}
-            self.checkpointer.save(self.step, self.tr.state_layout.to_disk(self.state), self.tr.train_iter,
-                                   extra=extra)
+            self.checkpointer.save(self.step, self.setup.state.to_disk(self.state.checkpoint_items()),
+                                   self.parts.train_iter, extra=extra)
             self.saved_step = self.step
             if wait:
                 self.checkpointer.wait()
@@ -238,7 +240,7 @@ class TrainLoop:
     @property
     def writer(self) -> MetricsWriter:
         if self._writer is None:
-            self._writer = MetricsWriter(self.tr.workdir, self.t.steps, self.resumed_at, enabled=self.is_main)
+            self._writer = MetricsWriter(self.parts.workdir, self.t.steps, self.resumed_at, enabled=self.is_main)
         return self._writer
 
     def _log(self, step: int, values: dict, elapsed: float) -> None:
@@ -246,12 +248,13 @@ class TrainLoop:
         first step's row includes compilation."""
         tps = self.tokens_per_step / max(elapsed, 1e-9)
         values.update(step_time=elapsed, tokens_per_sec=tps, **device_memory(),
-                      mfu=model_flops_utilization(self.tr.flops_per_token, tps, self.tr.peak, self.tr.mesh.size))
-        self.writer.write(step, values, echo=step % self.t.log_every == 0 or step == 1)
+                      mfu=model_flops_utilization(self.parts.flops_per_token, tps, self.parts.peak_flops,
+                                                  self.setup.mesh.size))
+        self.writer.write(step, values, echo=step % self.observe.log_every == 0 or step == 1)
         self.history.append({"step": step, **values})
 
 
-def _all_processes(counts, trainer):
+def _all_processes(counts, data_shards: int):
     """Per-source counts over the global batch: summed over processes, each row counted once
     (processes that differ only along axes the batch is replicated over read the same rows)."""
     if jax.process_count() == 1:
@@ -259,7 +262,7 @@ def _all_processes(counts, trainer):
     from jax.experimental import multihost_utils
 
     gathered = multihost_utils.process_allgather(counts)
-    return (gathered.sum(axis=0) * trainer.data_shards / jax.process_count()).tolist()
+    return (gathered.sum(axis=0) * data_shards / jax.process_count()).tolist()
 
 
 def _every(every: int, step: int) -> bool:

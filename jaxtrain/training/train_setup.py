@@ -16,17 +16,28 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain.pipeline import PipelinedGradients, StagedState, build_pipeline
+from jaxtrain.training.batch_shards import process_batch_shard
 from jaxtrain.training.device_groups import BatchShares, DeviceGroups, GroupLayout, split_devices
 from jaxtrain.training.group_step import GroupedEvalStep, GroupedTrainStep, group_gradients
 from jaxtrain.training.optim import OptimizerConfig, make_optimizer
 from jaxtrain.training.parallel_plan import ParallelPlan
-from jaxtrain.training.state import optimizer_roles
+from jaxtrain.training.state import TrainState, optimizer_roles
 from jaxtrain.training.state_layouts import CanonicalState
 from jaxtrain.training.step import BATCH_KEYS, AccumulatedGradients, batch_shardings, make_eval_step, make_train_step
 from meshes.mesh import build_mesh
 from meshes.rules import RuleSet
 
 BATCH_DTYPES = {k: jnp.float32 if k == "loss_mask" else jnp.int32 for k in BATCH_KEYS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """A restored checkpoint: its step, the state ready to step (None when only the parameters
+    were read), the parameters and the step's manifest."""
+    step: int
+    state: TrainState | None
+    params: dict
+    manifest: dict
 
 
 @dataclasses.dataclass
@@ -43,18 +54,47 @@ class TrainSetup:
     eval_step: object
     summary: str = ""  # the pipeline layout in a line, for the log (empty without one)
 
-    def ready_to_step(self, state: dict, step: int) -> dict:
-        """A restored or given state (params in this run's layout; opt_state optional) made
+    def ready_to_step(self, items: dict, step: int) -> TrainState:
+        """Restored or given items (params in this run's layout; opt_state optional) made a state
         ready for the train step: a fresh optimizer state where it has none, and `step`."""
         shardings = self.state.shardings
-        if "opt_state" not in state:  # a converted checkpoint, given params, or a reset on purpose
-            state = {**state, "opt_state": jax.jit(self.tx.init, out_shardings=shardings["opt_state"])(state["params"])}
-        return {**state, "step": jax.device_put(jnp.asarray(step, jnp.int32), shardings["step"])}
+        params = items["params"]
+        opt_state = items.get("opt_state")
+        if opt_state is None:  # a converted checkpoint, given params, or a reset on purpose
+            opt_state = jax.jit(self.tx.init, out_shardings=shardings.opt_state)(params)
+        return TrainState(step=jax.device_put(jnp.asarray(step, jnp.int32), shardings.step), params=params,
+                          opt_state=opt_state)
 
-    def state_from_params(self, params: dict, step: int = 0) -> dict:
+    def state_from_params(self, params: dict, step: int = 0) -> TrainState:
         """A state starting from canonical parameters (host or device arrays), in this run's layout."""
         disk = jax.tree.map(lambda a: a.sharding, self.state.disk_abstract["params"])
         return self.ready_to_step(self.state.from_disk({"params": jax.device_put(params, disk)}), step)
+
+    def restore(self, checkpointer, step: int | None = None, *, params_only: bool = False, as_saved: bool = False,
+                data_iterator=None, reset=(), strict: bool = False, quarantine: bool = True,
+                allow_unverified: bool = False) -> "Restored | None":
+        """The one restore path (the Trainer, `api.Run`, eval and generation call it): checkpoint
+        `step` of `checkpointer` (default: the newest intact one; None when there is no step at
+        all) read straight into this run's layout. `params_only`: the parameters alone (no
+        optimizer state is read or made); `as_saved`: parameters in the canonical layout
+        checkpoints hold rather than this run's (pipeline stages regrouped back). `data_iterator`
+        is restored in place; `reset`, `strict`, `quarantine` and `allow_unverified` as
+        Checkpointer.restore_latest takes them."""
+        abstract = {"params": self.state.disk_abstract["params"]} if params_only else self.state.disk_abstract
+        if step is None:
+            found = checkpointer.restore_latest(abstract, data_iterator, reset=reset, strict=strict,
+                                                quarantine=quarantine, allow_unverified=allow_unverified)
+            if found is None:
+                return None
+            step, saved, manifest = found
+        else:
+            saved = checkpointer.restore(step, abstract, data_iterator, reset=reset, allow_unverified=allow_unverified)
+            manifest = checkpointer.manifest(step) or {}
+        if params_only:
+            params = saved["params"] if as_saved else self.state.from_disk({"params": saved["params"]})["params"]
+            return Restored(step, None, params, manifest)
+        state = self.ready_to_step(self.state.from_disk(saved), step)
+        return Restored(step, state, state.params, manifest)
 
     def abstract_batch(self, global_batch: int, seq_len: int) -> dict:
         """ShapeDtypeStructs of a global batch with its shardings (for compile-only sizing)."""
@@ -65,6 +105,18 @@ class TrainSetup:
         """The whole global batch (numpy arrays, the same on every process) -> sharded device
         arrays, each device taking its own shard."""
         return _device_arrays(host, self.batch_sharding)
+
+    # The batch strategy of a data pipeline that reads per process (the Trainer's):
+    def process_rows(self, global_batch: int, seq_len: int) -> tuple[int, int]:
+        """(shard, shards): this process reads shard `shard` of `shards` equal row ranges of each
+        global batch. Processes that differ only along axes the batch is replicated over
+        (pipeline stages on different hosts) read the same rows."""
+        return process_batch_shard(self.batch_sharding["inputs"], (global_batch, seq_len), jax.process_index())
+
+    def batch_from_process_rows(self, local: dict) -> dict:
+        """This process's rows of a batch (process_rows) -> what the steps take."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding[k], np.asarray(local[k]))
+                for k in self.batch_sharding}
 
 
 @dataclasses.dataclass
@@ -83,6 +135,14 @@ class GroupedTrainSetup(TrainSetup):
 
     def abstract_batch(self, global_batch: int, seq_len: int) -> dict:
         raise NotImplementedError("a run over device groups compiles one program per group: no one abstract batch")
+
+    def process_rows(self, global_batch: int, seq_len: int) -> tuple[int, int]:
+        """Every process reads whole global batches and its groups take their rows
+        (device_batch): the data state is that of one reader."""
+        return 0, 1
+
+    def batch_from_process_rows(self, local: dict) -> dict:
+        return self.device_batch(local)
 
 
 def _device_arrays(host: dict, shardings: dict) -> dict:
@@ -118,7 +178,7 @@ def build_train_setup(model_cfg, plan: ParallelPlan, train, optimizer: Optimizer
     cp = plan.context_parallel
     train_step = make_train_step(state.graphdef, tx, lr_schedule, gradients, mesh=mesh, rules=rules,
                                  state_shardings=state.shardings, batch_sharding=bsh, context_parallel=cp)
-    eval_step = make_eval_step(gradients.sums, mesh=mesh, rules=rules, params_shardings=state.shardings["params"],
+    eval_step = make_eval_step(gradients.sums, mesh=mesh, rules=rules, params_shardings=state.shardings.params,
                                batch_sharding=bsh, context_parallel=cp)
     return TrainSetup(plan, mesh, rules, tx, lr_schedule, state, gradients, bsh, train_step, eval_step, summary)
 
@@ -143,7 +203,7 @@ def _build_grouped_train_setup(model_cfg, plan: ParallelPlan, train, optimizer: 
     cp = plan.context_parallel
     train_step = GroupedTrainStep(layout, gradients, state.graphdef, tx, lr_schedule, rules=rules,
                                   state_shardings=state.shardings, batch_shardings=bsh, context_parallel=cp)
-    eval_step = GroupedEvalStep(layout, gradients, rules=rules, params_shardings=state.shardings["params"],
+    eval_step = GroupedEvalStep(layout, gradients, rules=rules, params_shardings=state.shardings.params,
                                 batch_shardings=bsh, context_parallel=cp)
     summary = (f"{layout.count} device groups of {layout.meshes[0].size} devices, rows {shares.rows} of each batch "
                f"in microbatches of {shares.microbatch_rows} ({shares.microbatches})")

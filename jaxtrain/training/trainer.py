@@ -12,9 +12,7 @@ import os
 import sys
 
 import jax
-import numpy as np
 
-from jaxtrain.training.batch_shards import process_batch_shard
 from jaxtrain.checkpoints.checkpointer import ALL_ITEMS, CheckpointError, Checkpointer, IncompatibleCheckpoint
 from jaxtrain.checkpoints.compatibility import roles_changed_line
 from jaxtrain.training.config import Experiment
@@ -27,9 +25,11 @@ from jaxtrain.resilience.exit_codes import RunStopped
 from jaxtrain.resilience.peers import Peers
 from jaxtrain.resilience.watchdog import Watchdog
 from jaxtrain.data.tokenizer import load_tokenizer
-from jaxtrain.training.train_setup import GroupedTrainSetup, build_train_setup
-from jaxtrain.training.state import optimizer_roles
+from jaxtrain.training.train_loop_parts import LoopParts
+from jaxtrain.training.train_setup import build_train_setup
+from jaxtrain.training.state import TrainState, optimizer_roles
 from jaxtrain.training.workdir import WorkdirLock, changed_fields, check_same_model
+from meshes.sharding_audit import ShardingAuditError, audit_sharding, check_sufficiently_sharded
 
 
 def check_vocabulary(exp: Experiment) -> None:
@@ -65,53 +65,35 @@ class Trainer:
         checked that the workdir's checkpoints fit it (the CLI passes gin.config_str())."""
         for part in (exp.model, exp.mesh, exp.data, exp.optimizer):
             check_config_types(part)
-        exp.train.validate()
+        exp.validate()
         self.exp, self.workdir, self.config_text = exp, os.path.abspath(workdir), config_text
         self.stopped_by = None
         t = exp.train
         check_vocabulary(exp)  # the Trainer feeds corpus tokens (the bench feeds ids below the vocabulary)
-        self.plan = exp.plan  # the plan load_experiment validated (Experiment.plan)
-        setup = build_train_setup(exp.model, self.plan, t, exp.optimizer, devices, groups=self.plan.device_groups())
+        self.plan = exp.plan
+        setup = build_train_setup(exp.model, self.plan, t, exp.optimizer, devices, groups=exp.groups)
         self.setup, self.mesh, self.rules, self.tx = setup, setup.mesh, setup.rules, setup.tx
-        self.grouped = isinstance(setup, GroupedTrainSetup)
-        if self.grouped:
-            # Every process reads whole global batches and its groups take their rows
-            # (GroupedTrainSetup.device_batch): the data state is that of one reader.
-            shard, shards = 0, 1
-        else:
-            # Rows this process feeds: processes that differ only along axes the batch is replicated
-            # over (pipeline stages on different hosts) read the same rows.
-            shard, shards = process_batch_shard(setup.batch_sharding["inputs"], (t.global_batch, t.seq_len),
-                                                jax.process_index())
+        self.sharding_audit = audit_params(setup, exp.observe.max_replicated)  # before anything is compiled
+        # The rows of each global batch this process reads (the setup's batch strategy: its own
+        # shard of the batch, or whole batches its device groups take their rows of).
+        shard, shards = setup.process_rows(t.global_batch, t.seq_len)
         self.train_iter = make_train_iterator(exp.data, seq_len=t.seq_len, global_batch=t.global_batch,
                                               seed=t.seed, process_index=shard, process_count=shards)
         self.fresh_data_state = self.train_iter.get_state()
         self.data_shards = shards  # (per-source token counts sum each shard's rows once)
         self.eval_data = make_eval_batches(exp.data, seq_len=t.seq_len, batch_size=t.global_batch,
-                                           max_batches=t.eval_batches, process_index=shard, process_count=shards)
+                                           max_batches=exp.observe.eval_batches, process_index=shard,
+                                           process_count=shards)
         self.state_layout = setup.state  # canonical, or pipeline stages (converted at save/restore)
-        self.shardings, self.batch_sharding = setup.state.shardings, setup.batch_sharding
-        self.train_step, self.eval_step = setup.train_step, setup.eval_step
-        self.num_params = setup.state.num_params
+        self.shardings = setup.state.shardings
         self.pipeline_summary = setup.summary
-        self.flops_per_token = exp.model.flops_per_token(t.seq_len)
-        self.peak = peak_flops(jax.devices()[0].device_kind, t.peak_flops_per_device)
-        self.leaf_paths = [leaf_path(p) for p, _ in
-                           jax.tree_util.tree_leaves_with_path(setup.state.abstract["params"])]
-
-    # -- data --------------------------------------------------------------------------------
-    def global_batch(self, local: dict) -> dict:
-        """This process's rows of a batch -> what the steps take."""
-        if self.grouped:
-            return self.setup.device_batch(local)
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding[k], np.asarray(local[k]))
-                for k in self.batch_sharding}
+        self.leaf_paths = [leaf_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(setup.state.abstract.params)]
 
     # -- state -------------------------------------------------------------------------------
-    def restore_or_init(self, checkpointer: Checkpointer) -> tuple[dict, dict]:
+    def restore_or_init(self, checkpointer: Checkpointer) -> tuple[TrainState, dict]:
         """(state, resume info: data position and skipped batches) from the newest intact
         checkpoint (checked to hold this model's shapes), or freshly initialized."""
-        t = self.exp.train
+        c = self.exp.checkpoint
         latest = checkpointer.latest_step()
         if latest is not None:
             try:
@@ -122,24 +104,22 @@ class Trainer:
                 check_same_model(saved, self.state_layout.disk_abstract["params"], self.exp.model, self.workdir,
                                  latest)
         try:
-            found = checkpointer.restore_latest(self.state_layout.disk_abstract, self.train_iter,
-                                                reset=t.reset_on_resume, strict=t.strict_restore,
-                                                allow_unverified=t.allow_unverified_restore)
+            restored = self.setup.restore(checkpointer, data_iterator=self.train_iter, reset=c.reset_on_resume,
+                                          strict=c.strict_restore, allow_unverified=c.allow_unverified_restore)
         except IncompatibleCheckpoint as e:
             raise IncompatibleCheckpoint(f"{e}{self._changed_optimizer_fields()}") from None
-        if found is None:
+        if restored is None:
             _warn_about_set_aside_steps(checkpointer.directory)
             self.train_iter.set_state(self.fresh_data_state)
-            return self.state_layout.init(t.seed), {"data_position": 0, "skipped_batches": []}
-        step, restored, manifest = found
+            return self.state_layout.init(self.exp.train.seed), {"data_position": 0, "skipped_batches": []}
+        step, manifest = restored.step, restored.manifest
         roles_line = roles_changed_line(step, manifest.get("roles"), self.param_roles())
         if roles_line and jax.process_index() == 0:
             print(roles_line, file=sys.stderr, flush=True)
-        state = self.setup.ready_to_step(self.state_layout.from_disk(restored), step)
-        fresh_data = "data" in t.reset_on_resume or "data" not in manifest.get("items", ALL_ITEMS)
+        fresh_data = "data" in c.reset_on_resume or "data" not in manifest.get("items", ALL_ITEMS)
         position = 0 if fresh_data else manifest.get("data_position", step)
-        return state, {"data_position": position, "skipped_batches": manifest.get("skipped_batches", []),
-                       "step": step}
+        return restored.state, {"data_position": position, "skipped_batches": manifest.get("skipped_batches", []),
+                                "step": step}
 
     def param_roles(self) -> dict:
         """{parameter path: optimizer role} as the manifests record them."""
@@ -155,13 +135,27 @@ class Trainer:
     def evaluate(self, params) -> dict:
         totals = {"nll": 0.0, "tokens": 0.0, "correct": 0.0}
         for local in self.eval_data:
-            out = jax.device_get(self.eval_step(params, self.global_batch(local)))
+            out = jax.device_get(self.setup.eval_step(params, self.setup.batch_from_process_rows(local)))
             for k in totals:
                 totals[k] += float(out[k])
         tokens = max(totals["tokens"], 1.0)
         loss = totals["nll"] / tokens
         return {"loss": loss, "perplexity": math.exp(min(loss, 80.0)), "accuracy": totals["correct"] / tokens,
                 "tokens": totals["tokens"]}
+
+    def loop_parts(self) -> LoopParts:
+        """What the step loop works with (jaxtrain/training/train_loop.py)."""
+        from jaxtrain.generate.during_training import TrainingSampler
+
+        exp, t = self.exp, self.exp.train
+        return LoopParts(
+            setup=self.setup, train=t, checkpoint=exp.checkpoint, resilience=exp.resilience, observe=exp.observe,
+            workdir=self.workdir, train_iter=self.train_iter, data_shards=self.data_shards,
+            blend=tuple(exp.data.blend or ()),
+            evaluate=self.evaluate, restore_or_init=self.restore_or_init, leaf_paths=self.leaf_paths,
+            flops_per_token=exp.model.flops_per_token(t.seq_len),
+            peak_flops=peak_flops(jax.devices()[0].device_kind, exp.observe.peak_flops_per_device),
+            make_sampler=lambda: TrainingSampler(self))
 
     # -- loop --------------------------------------------------------------------------------
     def run(self, stop_after: int | None = None, signals=None) -> list[dict]:
@@ -171,18 +165,18 @@ class Trainer:
         signal before the first step); by default the loop handles signals from its first step."""
         from jaxtrain.training.train_loop import TrainLoop
 
-        t = self.exp.train
+        c, r = self.exp.checkpoint, self.exp.resilience
         is_main = jax.process_index() == 0
         lock = WorkdirLock(self.workdir).acquire() if is_main else None
         watchdog = None
         try:
-            peers = Peers(timeout_s=t.peer_timeout_s)
-            watchdog = Watchdog.for_run(t, peers).start()  # restore, compile, steps, saves, evals
+            peers = Peers(timeout_s=r.peer_timeout_s)
+            watchdog = Watchdog.for_run(r, peers).start()  # restore, compile, steps, saves, evals
             if signals is not None:  # a stop before the first step tells the peers from now on
                 signals.attach(peers)
             checkpoint_dir = os.path.join(self.workdir, "checkpoints")
             peers.check_shared_directory(checkpoint_dir)
-            checkpointer = Checkpointer(checkpoint_dir, keep=t.keep_checkpoints, async_save=t.async_checkpoint,
+            checkpointer = Checkpointer(checkpoint_dir, keep=c.keep_checkpoints, async_save=c.async_checkpoint,
                                         roles=self.param_roles())
             try:
                 with watchdog.phase("restore", "the restore of the newest checkpoint (or the initialization)"):
@@ -199,7 +193,7 @@ class Trainer:
             if is_main and self.config_text is not None:  # only once the checkpoints are known to fit
                 with signals.writing() if signals is not None else contextlib.nullcontext():
                     _write_atomically(os.path.join(self.workdir, "config.gin"), self.config_text)
-            loop = TrainLoop(self, checkpointer, peers, state, resume, stop_after, watchdog=watchdog,
+            loop = TrainLoop(self.loop_parts(), checkpointer, peers, state, resume, stop_after, watchdog=watchdog,
                              signals=signals)
             history = loop.run()
             self.final_state, self.stopped_by = loop.state, loop.stopped_by
@@ -210,6 +204,23 @@ class Trainer:
             if lock is not None:
                 lock.release()
 
-    def canonical(self, state: dict) -> dict:
-        """The state as checkpoints hold it (pipeline stages regrouped into layer stacks)."""
-        return self.state_layout.to_disk(state)
+    def canonical(self, state: TrainState | dict) -> dict:
+        """The state (or a dict of some of its items) as checkpoints hold it: pipeline stages
+        regrouped into layer stacks."""
+        return self.state_layout.to_disk(state.checkpoint_items() if isinstance(state, TrainState) else state)
+
+
+def audit_params(setup, max_replicated: float | None):
+    """The parameters' sharding audit (meshes/sharding_audit.py), printed as one line by process 0;
+    ShardingAuditError (a ValueError: exit 2) when replicated copies exceed `max_replicated` of a
+    device's parameter bytes (ObserveConfig.max_replicated)."""
+    report = audit_sharding(setup.state.abstract.params, name="params")
+    if jax.process_index() == 0:
+        print(f"jaxtrain: sharding audit: {report.summary()}", flush=True)
+    if max_replicated is not None:
+        try:
+            check_sufficiently_sharded(report, max_replicated)
+        except ShardingAuditError as e:
+            raise ShardingAuditError(f"{e} (ObserveConfig.max_replicated={max_replicated:g}): lay the parameters "
+                                     f"out with more sharding (e.g. rules=fsdp) or raise the bound") from None
+    return report

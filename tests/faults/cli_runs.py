@@ -16,8 +16,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 # vocab 272 >= the byte tokenizer's 259 ids; constant learning rate, so a run resumed with a
 # larger TrainConfig.steps trains exactly as one that was given it from the start.
 TINY = ["LlamaConfig.vocab_size=272", "LlamaConfig.embed=32", "LlamaConfig.layers=2", "LlamaConfig.mlp=64",
-        "LlamaConfig.heads=4", "LlamaConfig.kv_heads=2", "TrainConfig.seq_len=32", "TrainConfig.eval_batches=1",
-        "TrainConfig.eval_every=0", "TrainConfig.log_every=1", "MeshConfig.data=2",
+        "LlamaConfig.heads=4", "LlamaConfig.kv_heads=2", "TrainConfig.seq_len=32", "ObserveConfig.eval_batches=1",
+        "ObserveConfig.eval_every=0", "ObserveConfig.log_every=1", "MeshConfig.data=2",
         "OptimizerConfig.decay='constant'", "OptimizerConfig.warmup_steps=0"]
 CACHE = os.path.join(tempfile.gettempdir(), f"jaxtrain-fault-tests-cache-{os.getuid()}")
 
@@ -58,7 +58,7 @@ def steps_on_disk(workdir) -> list[int]:
     return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
 
 
-EVERY_3 = ["TrainConfig.checkpoint_every=3", "TrainConfig.keep_checkpoints=5"]
+EVERY_3 = ["CheckpointConfig.checkpoint_every=3", "CheckpointConfig.keep_checkpoints=5"]
 
 
 def uninterrupted(workdir) -> dict[int, float]:

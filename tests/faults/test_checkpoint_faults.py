@@ -94,7 +94,7 @@ def test_corrupt_newest_step_falls_back_and_trains_on_identically(reference, tmp
 def test_strict_restore_exits_with_one_line_and_moves_nothing(reference, tmp_path):
     workdir = died_after_step_8(reference, tmp_path)
     params_of_another_step(workdir / "checkpoints" / "6")
-    proc = train(workdir, "TrainConfig.steps=9", "TrainConfig.strict_restore=True", *EVERY)
+    proc = train(workdir, "TrainConfig.steps=9", "CheckpointConfig.strict_restore=True", *EVERY)
     assert proc.returncode == exit_codes.CHECKPOINT, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("error: step 6: ")
     assert "fingerprint mismatch" in proc.stderr and "Traceback" not in proc.stderr
@@ -111,7 +111,7 @@ def test_missing_item_is_an_error_unless_reset_on_purpose(reference, tmp_path, i
     assert f"has no {item} item" in last and f"reset_on_resume=('{item}',)" in last, last
     assert steps_on_disk(workdir) == [3, 6]
 
-    proc = train(workdir, "TrainConfig.steps=9", f"TrainConfig.reset_on_resume=('{item}',)", *EVERY)
+    proc = train(workdir, "TrainConfig.steps=9", f"CheckpointConfig.reset_on_resume=('{item}',)", *EVERY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "steps 6->9" in proc.stdout
     resumed = losses(workdir)
@@ -138,7 +138,7 @@ def test_resume_with_another_model_shape_is_refused_before_the_workdir_changes(r
 def test_second_trainer_on_the_same_workdir_is_refused(tmp_path):
     workdir = tmp_path / "run"
     first = subprocess.Popen([sys.executable, "-m", "jaxtrain.cli.train",
-                              *train_args(workdir, "TrainConfig.steps=400", "TrainConfig.checkpoint_every=0")],
+                              *train_args(workdir, "TrainConfig.steps=400", "CheckpointConfig.checkpoint_every=0")],
                              cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in first.stdout:  # wait until the first trainer holds the workdir
@@ -153,7 +153,7 @@ def test_second_trainer_on_the_same_workdir_is_refused(tmp_path):
         first.kill()
         first.wait()
     # the kernel dropped the dead trainer's lock: a new one may start
-    proc = train(workdir, "TrainConfig.steps=2", "TrainConfig.checkpoint_every=0")
+    proc = train(workdir, "TrainConfig.steps=2", "CheckpointConfig.checkpoint_every=0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in rows(workdir)] == [1, 2]
 
@@ -175,13 +175,13 @@ def test_a_parameters_only_save_restores_without_optimizer_or_data(tmp_path):
     _, abstract, shardings = state_shardings(TINY_LLAMA_BYTES, tx, build_mesh(MeshConfig(data=16)), get_rule_set("dp"))
     state = init_state(TINY_LLAMA_BYTES, tx, shardings, seed=0)
     checkpointer = Checkpointer(str(tmp_path / "checkpoints"), async_save=False)
-    checkpointer.save(0, {"params": state["params"]})
+    checkpointer.save(0, {"params": state.params})
     iterator = make_train_iterator(DataConfig(), seq_len=32, global_batch=16, seed=0)
-    step, restored, manifest = checkpointer.restore_latest(abstract, iterator)
+    step, restored, manifest = checkpointer.restore_latest(abstract.checkpoint_items(), iterator)
     checkpointer.close()
     assert step == 0 and set(restored) == {"params"} and manifest["kind"] == "converted"
     np.testing.assert_array_equal(jax.device_get(restored["params"]["embed"]["table"]),
-                                  jax.device_get(state["params"]["embed"]["table"]))
+                                  jax.device_get(state.params["embed"]["table"]))
 
 
 # -- config changes are not corruption; unverifiable steps are not trained on ----------------------------
@@ -238,10 +238,10 @@ def test_a_step_without_manifest_is_refused_unless_allowed(reference, tmp_path):
     assert proc.returncode == exit_codes.CHECKPOINT, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: step 6 in ") and "has no manifest" in last, last
-    assert "TrainConfig.allow_unverified_restore=True" in last and "Traceback" not in proc.stderr
+    assert "CheckpointConfig.allow_unverified_restore=True" in last and "Traceback" not in proc.stderr
     assert steps_on_disk(workdir) == [3, 6] and not (workdir / "checkpoints_corrupt").exists()
 
-    proc = train(workdir, "TrainConfig.steps=9", "TrainConfig.allow_unverified_restore=True", *EVERY)
+    proc = train(workdir, "TrainConfig.steps=9", "CheckpointConfig.allow_unverified_restore=True", *EVERY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "step 6" in warnings[0] and "WITHOUT verification" in warnings[0], warnings

@@ -15,16 +15,16 @@ BOUND = 3  # seconds: the bound of the hanging part; the others keep their gener
 HANG = {"FAULT_HANG_S": "30"}
 
 CASES = {  # part: (the bindings that make the part happen and bound it, the fault, the phase's words)
-    "restore": ([f"TrainConfig.hang_restore_s={BOUND}"], {"FAULT_HANG_IN": "restore", **HANG},
+    "restore": ([f"ResilienceConfig.hang_restore_s={BOUND}"], {"FAULT_HANG_IN": "restore", **HANG},
                 r"the restore of the newest checkpoint \(or the initialization\) has not finished after \d+ s, "
-                rf"over the bound TrainConfig.hang_restore_s={BOUND}"),
-    "first step": ([f"TrainConfig.hang_first_steps_s={BOUND}"], {"FAULT_HANG_STEP": "1"},
+                rf"over the bound ResilienceConfig.hang_restore_s={BOUND}"),
+    "first step": ([f"ResilienceConfig.hang_first_steps_s={BOUND}"], {"FAULT_HANG_STEP": "1"},
                    r"no step finished for \d+ s \(step 1 in flight, among the first 2 steps, compilation "
-                   rf"included\), over the bound TrainConfig.hang_first_steps_s={BOUND}"),
-    "save": ([f"TrainConfig.hang_save_s={BOUND}", "TrainConfig.checkpoint_every=2"], {"FAULT_HANG_IN": "save", **HANG},
-             rf"the save of step 2 has not finished after \d+ s, over the bound TrainConfig.hang_save_s={BOUND}"),
-    "eval": ([f"TrainConfig.hang_eval_s={BOUND}", "TrainConfig.eval_every=2"], {"FAULT_HANG_IN": "eval", **HANG},
-             rf"the eval at step 2 has not finished after \d+ s, over the bound TrainConfig.hang_eval_s={BOUND}"),
+                   rf"included\), over the bound ResilienceConfig.hang_first_steps_s={BOUND}"),
+    "save": ([f"ResilienceConfig.hang_save_s={BOUND}", "CheckpointConfig.checkpoint_every=2"], {"FAULT_HANG_IN": "save", **HANG},
+             rf"the save of step 2 has not finished after \d+ s, over the bound ResilienceConfig.hang_save_s={BOUND}"),
+    "eval": ([f"ResilienceConfig.hang_eval_s={BOUND}", "ObserveConfig.eval_every=2"], {"FAULT_HANG_IN": "eval", **HANG},
+             rf"the eval at step 2 has not finished after \d+ s, over the bound ResilienceConfig.hang_eval_s={BOUND}"),
 }
 
 

@@ -1,4 +1,4 @@
-"""Non-finite steps under each TrainConfig.nonfinite policy, in subprocesses of the real CLI: a
+"""Non-finite steps under each ResilienceConfig.nonfinite policy, in subprocesses of the real CLI: a
 diverging learning rate and a poisoned batch (a token id past the vocabulary, which embeds as
 NaN). Halt exits 3 naming the step and the first non-finite gradient and writes no checkpoint
 past the last finite step; Skip and Rollback train on exactly as a run that never had the
@@ -12,6 +12,7 @@ import pytest
 
 from cli_runs import EVERY_3, losses, rows, steps_on_disk, train
 from jaxtrain.resilience import exit_codes
+from jaxtrain.training.state import TrainState
 
 POISONED = 4  # batch 4 (0-based) is step 5's
 EVERY = EVERY_3
@@ -35,7 +36,7 @@ def without_poisoned_batch(tmp_path_factory):
 
 
 def test_poisoned_batch_halts_naming_step_and_gradient_and_saves_nothing_after(tmp_path):
-    proc = poisoned_run(tmp_path / "run", "TrainConfig.checkpoint_every=1")
+    proc = poisoned_run(tmp_path / "run", "CheckpointConfig.checkpoint_every=1")
     assert proc.returncode == exit_codes.NON_FINITE, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: step 5 (batch 4) is not finite: loss nan"), last
@@ -47,7 +48,7 @@ def test_poisoned_batch_halts_naming_step_and_gradient_and_saves_nothing_after(t
 
 def test_skip_drops_the_batch_and_trains_on_as_if_it_never_was(tmp_path, without_poisoned_batch):
     workdir = tmp_path / "run"
-    proc = poisoned_run(workdir, "TrainConfig.nonfinite=@Skip()")
+    proc = poisoned_run(workdir, "ResilienceConfig.nonfinite=@Skip()")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 5 (batch 4) is not finite" in proc.stdout and "skip" in proc.stdout
     [logged] = rows(workdir, "nonfinite")
@@ -62,7 +63,7 @@ def test_skip_drops_the_batch_and_trains_on_as_if_it_never_was(tmp_path, without
 
 def test_rollback_restores_the_checkpoint_and_replays_past_the_batch(tmp_path, without_poisoned_batch):
     workdir = tmp_path / "run"
-    proc = poisoned_run(workdir, "TrainConfig.nonfinite=@Rollback()")
+    proc = poisoned_run(workdir, "ResilienceConfig.nonfinite=@Rollback()")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rolled back to step 3" in proc.stdout
     rolled = losses(workdir)  # one row per step: the replayed steps 4.. were rewritten
@@ -77,17 +78,17 @@ def test_rollback_restores_the_checkpoint_and_replays_past_the_batch(tmp_path, w
 
 def test_rollback_gives_up_when_every_step_diverges(tmp_path):
     proc = train(tmp_path / "run", "TrainConfig.steps=12", *EVERY, "OptimizerConfig.learning_rate=1e6",
-                 "TrainConfig.nonfinite=@Rollback()", "Rollback.max_rollbacks=2")
+                 "ResilienceConfig.nonfinite=@Rollback()", "Rollback.max_rollbacks=2")
     assert proc.returncode == exit_codes.NON_FINITE, proc.stderr[-3000:]
     assert "still non-finite after 2 rollbacks" in proc.stderr.strip().splitlines()[-1]
 
 
 def test_diverging_run_resumed_from_a_good_one_keeps_the_good_checkpoints(tmp_path):
     workdir = tmp_path / "run"
-    good = train(workdir, "TrainConfig.steps=4", "TrainConfig.checkpoint_every=1", "TrainConfig.keep_checkpoints=2")
+    good = train(workdir, "TrainConfig.steps=4", "CheckpointConfig.checkpoint_every=1", "CheckpointConfig.keep_checkpoints=2")
     assert good.returncode == 0, good.stderr[-3000:]
     assert steps_on_disk(workdir) == [3, 4]
-    bad = train(workdir, "TrainConfig.steps=40", "TrainConfig.checkpoint_every=1", "TrainConfig.keep_checkpoints=2",
+    bad = train(workdir, "TrainConfig.steps=40", "CheckpointConfig.checkpoint_every=1", "CheckpointConfig.keep_checkpoints=2",
                 "OptimizerConfig.learning_rate=1e6")
     assert bad.returncode == exit_codes.NON_FINITE, bad.stderr[-3000:]
     last = bad.stderr.strip().splitlines()[-1]
@@ -101,7 +102,7 @@ def test_diverging_run_resumed_from_a_good_one_keeps_the_good_checkpoints(tmp_pa
 
 def test_skip_halts_when_the_run_keeps_diverging(tmp_path):
     proc = train(tmp_path / "run", "TrainConfig.steps=12", *EVERY, "OptimizerConfig.learning_rate=1e6",
-                 "TrainConfig.nonfinite=@Skip()", "Skip.max_consecutive=3")
+                 "ResilienceConfig.nonfinite=@Skip()", "Skip.max_consecutive=3")
     assert proc.returncode == exit_codes.NON_FINITE, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert "4 non-finite steps in a row (Skip.max_consecutive=3)" in last, last
@@ -126,21 +127,21 @@ def test_the_step_drops_an_update_whose_new_parameters_alone_are_not_finite():
         cfg = OptimizerConfig(learning_rate=lr, decay="constant", warmup_steps=0)
         tx, schedule = make_optimizer(cfg, total_steps=10)
         update = make_update(None, tx, schedule, rules=get_rule_set("dp"), opt_state_shardings=None)
-        state = {"step": jnp.int32(0), "params": jax.tree.map(jnp.asarray, params), "opt_state": tx.init(params)}
+        state = TrainState(step=jnp.int32(0), params=jax.tree.map(jnp.asarray, params), opt_state=tx.init(params))
         new, metrics = jax.jit(lambda s, g: update(s, g, sums, {}, tokens, {}))(state, grads)
         metrics = jax.device_get(metrics)
         assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"]), metrics
         if lr == 1e39:
             assert not np.isfinite(metrics["param_norm"]) and metrics["nonfinite"] == 1.0, metrics
             for k in params:  # the old state is kept, bit for bit
-                np.testing.assert_array_equal(np.asarray(new["params"][k]), params[k])
-            for a, b in zip(jax.tree.leaves(new["opt_state"]), jax.tree.leaves(state["opt_state"])):
+                np.testing.assert_array_equal(np.asarray(new.params[k]), params[k])
+            for a, b in zip(jax.tree.leaves(new.opt_state), jax.tree.leaves(state.opt_state)):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
             continue
         assert metrics["nonfinite"] == 0.0 and np.isfinite(metrics["param_norm"]), metrics
         for k, p in params.items():  # AdamW's first step: m_hat = g, v_hat = g^2
             p64, g64 = p.astype(np.float64), grads[k].astype(np.float64)
             expected = p64 - lr * (g64 / (np.abs(g64) + cfg.eps) + cfg.weight_decay * p64)
-            got = np.asarray(new["params"][k])
+            got = np.asarray(new.params[k])
             assert np.isfinite(got).all()
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

@@ -9,7 +9,7 @@ from cli_runs import steps_on_disk
 from jaxtrain.resilience import exit_codes
 from live_runs import Live, process_args, reserved_port, running
 
-T = 15  # TrainConfig.peer_timeout_s for these runs
+T = 15  # ResilienceConfig.peer_timeout_s for these runs
 HOST = socket.gethostname()
 
 
@@ -18,7 +18,7 @@ def no_crash_dump(p: Live) -> None:
 
 
 def start_two(procs, workdirs, bindings, port, fault_env=None):
-    procs += [Live(process_args(workdirs[i], [*bindings, f"TrainConfig.peer_timeout_s={T}"], port, i, 2),
+    procs += [Live(process_args(workdirs[i], [*bindings, f"ResilienceConfig.peer_timeout_s={T}"], port, i, 2),
                    fault_env=fault_env) for i in range(2)]
     return procs
 
@@ -27,16 +27,16 @@ def test_a_process_that_never_joins_ends_the_started_one_within_the_timeout(tmp_
     """Process 0 alone waits for process 1 at the coordinator; process 1 alone (on another port)
     finds none."""
     timeout = 8
-    bindings = ["TrainConfig.steps=3", f"TrainConfig.peer_timeout_s={timeout}"]
+    bindings = ["TrainConfig.steps=3", f"ResilienceConfig.peer_timeout_s={timeout}"]
     with reserved_port() as port, reserved_port() as unserved, running() as procs:
         procs += [Live(process_args(tmp_path / f"run{i}", bindings, (port, unserved)[i], i, 2), wrapper=None)
                   for i in range(2)]
         codes = [p.wait(timeout + 60) for p in procs]
     assert codes == [exit_codes.PEER] * 2, [p.stderr[-2000:] for p in procs]
     assert procs[0].errors() == [f"error: process 0: not all 2 processes joined the coordinator at localhost:{port} "
-                                 f"within {timeout} s (TrainConfig.peer_timeout_s)"]
+                                 f"within {timeout} s (ResilienceConfig.peer_timeout_s)"]
     assert procs[1].errors() == [f"error: process 1: cannot reach the coordinator at localhost:{unserved} (is process "
-                                 f"0 running there?) within {timeout} s (TrainConfig.peer_timeout_s)"]
+                                 f"0 running there?) within {timeout} s (ResilienceConfig.peer_timeout_s)"]
     for i, p in enumerate(procs):
         assert timeout <= p.ended - p.started < timeout + 30  # jax's start-up, then the bound
         no_crash_dump(p)
@@ -59,7 +59,7 @@ def test_a_worker_killed_mid_training_ends_the_other_within_the_timeout(tmp_path
 
 def test_a_save_failing_in_one_process_ends_both_naming_it(tmp_path):
     with reserved_port() as port, running() as procs:
-        start_two(procs, [tmp_path / "run"] * 2, ["TrainConfig.steps=10", "TrainConfig.checkpoint_every=2"], port,
+        start_two(procs, [tmp_path / "run"] * 2, ["TrainConfig.steps=10", "CheckpointConfig.checkpoint_every=2"], port,
                   {"FAULT_PROCESS": "1", "FAULT_SAVE_FAILS": "4"})
         codes = [p.wait(180) for p in procs]
     assert codes == [exit_codes.PEER, exit_codes.CHECKPOINT], [p.stderr[-2000:] for p in procs]

@@ -17,7 +17,7 @@ from ports import reserved_port  # noqa: E402  (tests/ports.py)
 from processes import child_env  # noqa: E402
 
 from jaxtrain.cli import launch  # noqa: E402
-from jaxtrain.training.config import TrainConfig  # noqa: E402
+from jaxtrain.training.run_configs import ResilienceConfig  # noqa: E402
 from jaxtrain.resilience import exit_codes  # noqa: E402
 from jaxtrain.resilience.peers import Peers  # noqa: E402
 from jaxtrain.resilience.preemption import StopSignals  # noqa: E402
@@ -82,16 +82,16 @@ def peers_of(clients, timeout_s=6.0):
 
 # -- the peer timeout, read before jax starts -----------------------------------------------------
 def test_peer_timeout_is_read_from_gin_files_includes_and_params(tmp_path):
-    assert launch.DEFAULT_PEER_TIMEOUT_S == TrainConfig().peer_timeout_s
+    assert launch.DEFAULT_PEER_TIMEOUT_S == ResilienceConfig().peer_timeout_s
     base = tmp_path / "base.gin"
-    base.write_text("TrainConfig.peer_timeout_s = 25\nTrainConfig.steps = 3\n")
+    base.write_text("ResilienceConfig.peer_timeout_s = 25\nTrainConfig.steps = 3\n")
     top = tmp_path / "top.gin"
     top.write_text("include 'base.gin'\nExperiment.model = @LlamaConfig()\n")
     assert launch.peer_timeout_s([str(top)], []) == 25.0
-    assert launch.peer_timeout_s([str(top)], ["jaxtrain.TrainConfig.peer_timeout_s=7.5"]) == 7.5
+    assert launch.peer_timeout_s([str(top)], ["jaxtrain.ResilienceConfig.peer_timeout_s=7.5"]) == 7.5
     assert launch.peer_timeout_s([str(top)], ["TrainConfig.steps=4"]) == 25.0
     assert launch.peer_timeout_s([launch.DEFAULT_GIN], []) == launch.DEFAULT_PEER_TIMEOUT_S
-    assert launch.peer_timeout_s([str(top)], ["TrainConfig.peer_timeout_s='x'"]) == launch.DEFAULT_PEER_TIMEOUT_S
+    assert launch.peer_timeout_s([str(top)], ["ResilienceConfig.peer_timeout_s='x'"]) == launch.DEFAULT_PEER_TIMEOUT_S
 
 
 # -- peers ----------------------------------------------------------------------------------------
@@ -295,18 +295,18 @@ def test_each_part_of_the_run_has_its_own_bound():
         with w.phase("restore", "the restore"):
             assert w._overdue(40.0) is None
             assert w._overdue(40.5) == ("process 0: hung: the restore has not finished after 40 s, over the bound "
-                                        "TrainConfig.hang_restore_s=40")
+                                        "ResilienceConfig.hang_restore_s=40")
         t[0] = 100.0
         w.step_started(1)  # compiles first: no measured steps yet, the first-steps bound
         assert w._overdue(150.0) is None
         assert "(step 1 in flight, among the first 2 steps, compilation included), over the bound " \
-               "TrainConfig.hang_first_steps_s=50" in w._overdue(150.5)
+               "ResilienceConfig.hang_first_steps_s=50" in w._overdue(150.5)
         with w.phase("save", "the save of step 1"):
             with w.phase("eval", "the eval at step 1"):  # nested: each keeps its own bound
                 assert w._overdue(100.0 + 20.5).startswith("process 0: hung: the save of step 1 has not finished")
                 t[0] = 131.0  # both over: the inner one, where the time goes, is named
                 assert w._overdue(131.0) == ("process 0: hung: the eval at step 1 has not finished after 31 s, "
-                                             "over the bound TrainConfig.hang_eval_s=30")
+                                             "over the bound ResilienceConfig.hang_eval_s=30")
             assert w._overdue(105.0) is None  # while a part runs, the step's time stands still
         assert w._since == 131.0  # the 31 s spent in the save and eval moved the step's start
         assert w._overdue(131.0 + 50.5) is not None and w._overdue(131.0 + 49.5) is None

@@ -51,7 +51,7 @@ def test_disk_full_ends_the_run_at_once_with_one_line(tmp_path):
     workdir = tmp_path / "run"
     with small_disk(workdir / "checkpoints", "900k") as mounted:  # room for a checkpoint or two
         fault = {} if mounted else {"FAULT_SAVE_STEP": "4", "FAULT_NO_SPACE": "1"}
-        proc = train(workdir, "TrainConfig.steps=40", "TrainConfig.checkpoint_every=2",
+        proc = train(workdir, "TrainConfig.steps=40", "CheckpointConfig.checkpoint_every=2",
                      wrapper=None if mounted else "save_faults.py", fault_env=fault)
         assert proc.returncode == exit_codes.CHECKPOINT, proc.stderr[-3000:]
         last = proc.stderr.strip().splitlines()[-1]

@@ -62,7 +62,7 @@ def test_sigint_while_the_first_step_compiles_exits_0_at_once_and_writes_nothing
 def test_sigterm_to_one_of_two_processes_during_the_restore_stops_both_with_exit_0(tmp_path):
     workdir = tmp_path / "run"
     with reserved_port() as port, running() as procs:
-        bindings = ["TrainConfig.steps=4", "TrainConfig.peer_timeout_s=20"]
+        bindings = ["TrainConfig.steps=4", "ResilienceConfig.peer_timeout_s=20"]
         fault = {"FAULT_HANG_IN": "restore", "FAULT_PROCESS": "1"}
         procs += [Live(process_args(workdir, bindings, port, i, 2), fault_env=fault) for i in range(2)]
         procs[1].wait_for(r"^fault: in restore", 180)

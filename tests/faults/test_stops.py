@@ -68,7 +68,7 @@ def test_a_signal_mid_step_saves_that_step_and_the_resume_loses_none(tmp_path, r
 def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_saved_step(tmp_path, reference):
     workdir = tmp_path / "run"
     with reserved_port() as port, running() as procs:
-        bindings = [f"TrainConfig.steps={STEPS}", "TrainConfig.peer_timeout_s=15"]
+        bindings = [f"TrainConfig.steps={STEPS}", "ResilienceConfig.peer_timeout_s=15"]
         procs += [Live(process_args(workdir, bindings, port, i, 2), fault_env=SLOW) for i in range(2)]
         procs[0].wait_for(r"^step 3 \[train\]", 180)
         procs[1].popen.send_signal(signal.SIGTERM)
@@ -81,13 +81,13 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_saved_step(tmp_p
 
 def test_a_hung_step_dumps_every_threads_stack_and_exits_hang(tmp_path):
     with running() as procs:
-        procs.append(p := Live(train_args(tmp_path / "run", f"TrainConfig.steps={STEPS}", "TrainConfig.hang_min_s=3"),
+        procs.append(p := Live(train_args(tmp_path / "run", f"TrainConfig.steps={STEPS}", "ResilienceConfig.hang_min_s=3"),
                                fault_env={"FAULT_HANG_STEP": "6"}))
         p.wait_for(r"^step 4 \[train\]", 180)
         assert p.wait(60) == exit_codes.HANG, p.stderr[-3000:]
     [line] = p.errors()
     assert re.match(r"error: process 0: hung: no step finished for \d+ s \(steps 5-6 in flight\), over the limit 3 s "
-                    r"= max\(TrainConfig.hang_min_s=3, hang_factor=10 x the median step .* s\); every thread's stack "
+                    r"= max\(ResilienceConfig.hang_min_s=3, hang_factor=10 x the median step .* s\); every thread's stack "
                     r"follows$", line), line
     assert "in slow_step" in p.stderr  # where the main thread hangs (tests/faults/peer_faults.py)
     assert "jaxtrain/resilience/watchdog.py" in p.stderr  # the watchdog's own thread too
