@@ -17,6 +17,7 @@ from jaxtrain.training import plan_keys
 from meshes.mesh_config import AXES, MeshConfig
 from meshes.pipeline_schedules import GPipe, Interleaved
 from models.llama import LlamaConfig
+from models.mamba2 import Mamba2Config
 
 SPEC = "pipeline=2,data=2,context=2,tensor=2,rules=fsdp+experts_folded,split=14/13,microbatches=4"
 
@@ -159,11 +160,8 @@ def test_model_overrides_apply_where_the_model_is_built():
     assert built.remat == "full" and type(built.attention).__name__ == "PallasAttention" and built.attention.interpret
     assert ParallelPlan.parse("data=2").apply_to_model(model) is model  # None: the config's own
 
-    @dataclasses.dataclass(frozen=True)
-    class NoAttention:
-        remat: str = "none"
-    with pytest.raises(ValueError, match="layout sets attention, which NoAttention does not have"):
-        plan.apply_to_model(NoAttention())
+    with pytest.raises(ValueError, match="Mamba2Config has no attention setting"):
+        plan.apply_to_model(Mamba2Config())
 
 
 def test_load_experiment_keeps_the_plan_it_validated():
@@ -201,3 +199,14 @@ def test_the_cli_sizes_simulated_devices_by_the_plan_before_jax_starts(tmp_path,
     monkeypatch.setenv("XLA_FLAGS", "")
     launch.simulate_devices_if_needed([str(config)], [], 1)
     assert os.environ["XLA_FLAGS"] == f"--xla_force_host_platform_device_count={devices}"
+
+
+def test_bench_layouts_carry_the_model_overrides():
+    from jaxtrain.cli.bench import apply_layout
+
+    base = Experiment(model=LlamaConfig(remat="none"), mesh=MeshConfig(data=4), train=TrainConfig())
+    exp, plan = apply_layout(base, "data=2,tensor=2,attention=blockwise,remat=full")
+    assert plan == ParallelPlan.parse("data=2,tensor=2,attention=blockwise,remat=full")
+    assert exp.model.remat == "full" and type(exp.model.attention).__name__ == "BlockwiseAttention"
+    with pytest.raises(ValueError, match="groups= is not benchmarked"):
+        apply_layout(base, "data=2,groups=4/4")

@@ -36,6 +36,10 @@ def apply_layout(base, spec: str):
     import dataclasses
 
     plan = base.plan.with_spec(spec)
+    if plan.groups != base.plan.groups:
+        raise ValueError(f"layout {spec!r}: groups= is not benchmarked (one program on one mesh): bench one "
+                         f"group's layout")
+    plan = dataclasses.replace(plan, groups=())  # a config's device groups: one group's program is benched
     return dataclasses.replace(base, model=plan.apply_to_model(base.model)), plan
 
 

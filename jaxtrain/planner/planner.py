@@ -88,7 +88,7 @@ class Planner:
 
     def policy(self, plan: ParallelPlan) -> str:
         """The remat policy a plan runs the model with (its own, or the model config's)."""
-        return plan.apply_to_model(self.workload.model).remat
+        return plan.apply_to_model(self.workload.model).runtime().remat
 
     def state(self, plan: ParallelPlan) -> StateBytes:
         sizes = plan.mesh.sizes()

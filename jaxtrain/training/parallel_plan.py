@@ -128,20 +128,19 @@ class ParallelPlan:
         return DeviceGroups(rows=self.groups) if self.groups else None
 
     def apply_to_model(self, model_cfg):
-        """The model config with the plan's overrides (remat, attention) in place of its own."""
-        changes = {}
-        if self.remat is not None:
-            changes["remat"] = self.remat
+        """The model config with the plan's overrides (remat, attention) in place of its own
+        (models/family.py's runtime settings; one the family lacks is a ValueError naming it)."""
+        attention = None
         if self.attention is not None:
             from models.layers import attention_impl
             name, kwargs = plan_keys.ATTENTION[self.attention]
-            changes["attention"] = getattr(attention_impl, name)(**kwargs)
-        if not changes:
+            attention = getattr(attention_impl, name)(**kwargs)
+        if self.remat is None and attention is None:
             return model_cfg
-        missing = [f for f in changes if f not in {f.name for f in dataclasses.fields(model_cfg)}]
-        if missing:
-            raise ValueError(f"layout sets {', '.join(missing)}, which {type(model_cfg).__name__} does not have")
-        return dataclasses.replace(model_cfg, **changes)
+        try:
+            return model_cfg.with_runtime(remat=self.remat, attention=attention)
+        except ValueError as e:
+            raise ValueError(f"layout {self.label()!r}: {e}") from None
 
     def validate(self, model_cfg, *, global_batch: int, seq_len: int, mesh_shape: dict,
                  platform: str | None = None) -> None:
@@ -168,7 +167,7 @@ class ParallelPlan:
             raise ValueError(f"TrainConfig.seq_len={seq_len}: {e}") from None
         model_cfg = self.apply_to_model(model_cfg)
         model_cfg.validate(dict(mesh_shape))
-        attention = getattr(model_cfg, "attention", None)
+        attention = model_cfg.runtime().attention
         if platform is not None and attention is not None and hasattr(attention, "check_backend"):
             attention.check_backend(platform)
         if mesh_shape["pipeline"] > 1:
