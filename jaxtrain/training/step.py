@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.microbatching import ROW, split_microbatches, training_loss
+from jaxtrain.training.guarded_update import guarded_step
 from meshes.context_layout import ContextParallel, to_device_order, use_context_parallel
 from meshes.rules import RuleSet, named_sharding, use_rules
 from models.layers.aux_outputs import aux_metrics, has_after_update
@@ -100,25 +101,28 @@ def make_update(graphdef, tx, schedule, *, rules: RuleSet, opt_state_shardings):
         to_device = lambda opt: jax.tree.map(jax.device_put, opt, on_device)
 
     def update(state, grads, sums, aux, total_tokens, aux_metrics: dict):
-        params = state.params
-        old_opt_state = to_device(state.opt_state)
-        updates, opt_state = tx.update(grads, old_opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        if has_after_update(aux):  # e.g. the MoE routers' correction biases follow the load
-            # aux is laid out like the params (canonical stacks, or pipeline stages: the
-            # update is elementwise per layer either way)
-            model = nnx.merge(graphdef, new_params)
-            model.after_update(aux)
-            new_params = nnx.to_pure_dict(nnx.state(model))
+        def apply(params, opt_state, grads):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            if has_after_update(aux):  # e.g. the MoE routers' correction biases follow the load
+                # aux is laid out like the params (canonical stacks, or pipeline stages: the
+                # update is elementwise per layer either way)
+                model = nnx.merge(graphdef, new_params)
+                model.after_update(aux)
+                new_params = nnx.to_pure_dict(nnx.state(model))
+            return new_params, opt_state
+
         nll, z, correct = sums
         grad_squares = jnp.stack([jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)])
-        grad_norm, param_norm = jnp.sqrt(grad_squares.sum()), optax.tree.norm(new_params)
+        grad_norm = jnp.sqrt(grad_squares.sum())
         loss = nll / total_tokens
         # A finite gradient norm bounds every gradient element, and so Adam's moments; with the
         # loss and the new parameters finite the whole new state is. Otherwise the update is
-        # dropped on device (the policy acts when the host sees it: jaxtrain/resilience/nonfinite.py).
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(param_norm)
-        keep_if_finite = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        # dropped on device (the policy acts when the host sees it: jaxtrain/resilience/nonfinite.py),
+        # checked before the update so the old and new state are never held together
+        # (jaxtrain/training/guarded_update.py).
+        new_params, new_opt_state, param_norm, finite = guarded_step(
+            apply, state.params, to_device(state.opt_state), grads, jnp.isfinite(loss) & jnp.isfinite(grad_norm))
         metrics = {
             "loss": loss,
             "z_loss": z / total_tokens,
@@ -133,8 +137,7 @@ def make_update(graphdef, tx, schedule, *, rules: RuleSet, opt_state_shardings):
                                               jnp.argmax(~jnp.isfinite(grad_squares))),
             **aux_metrics,
         }
-        new_state = state.replace(step=state.step + 1, params=keep_if_finite(new_params, params),
-                                  opt_state=keep_if_finite(opt_state, old_opt_state))
+        new_state = state.replace(step=state.step + 1, params=new_params, opt_state=new_opt_state)
         return new_state, metrics
 
     return update
