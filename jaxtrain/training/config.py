@@ -16,15 +16,14 @@ from jaxtrain.training.moved_bindings import apply_moved, split_moved
 from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.training.run_configs import RUN_CONFIGS, CheckpointConfig, ObserveConfig, ResilienceConfig
 from jaxtrain.pipeline.config import PipelineConfig
-from meshes.context_layout import AllGatherKV, ContextParallel, Contiguous, LoadBalanced, RingKV
+from meshes.context_settings import ContextParallel
 from meshes.mesh_config import MeshConfig
 from models.family import families
 
 # Each model family's record registers its config and the parts its gin files name with gin
-# (models/family.py); jaxtrain/resilience/nonfinite.py registers its policies itself.
+# (models/family.py); mesh_configurable.py registers the mesh and context settings and
+# jaxtrain/resilience/nonfinite.py its policies.
 families()
-for _cls in (ContextParallel, Contiguous, LoadBalanced, RingKV, AllGatherKV):
-    gin.external_configurable(_cls, module="meshes")
 GinDataConfig = gin.external_configurable(DataConfig, name="DataConfig", module="jaxtrain")
 GinOptimizerConfig = gin.external_configurable(OptimizerConfig, name="OptimizerConfig", module="jaxtrain")
 GinDeviceGroups = gin.external_configurable(DeviceGroups, name="DeviceGroups", module="jaxtrain")
