@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from meshes.expert_capacity import CapacityDispatch
 from meshes.expert_exchange import make_exchange
 from meshes.rules import RuleSet, spec_for
+from meshes.weight_gather import gather_axes, strategy
 
 TOKEN_NAMES = ("batch", "length", None)
 
@@ -173,7 +174,7 @@ def _platform(mesh) -> str:
 
 def moe_forward(x, logits, bias, expert_weights: dict, weight_axes: dict, *, route: Callable, ffn: Callable,
                 num_experts: int, hidden: int, batched_ffn: Callable | None = None, dispatch=None, mesh=None,
-                rules=None, exchange: str = "auto"):
+                rules=None, exchange: str = "auto", weight_dtype=None):
     """x [b, l, d], router logits [b, l, e] -> (y [b, l, d], summed routing statistics).
 
     `route(logits [t, e], bias) -> (expert_ids [t, k], weights [t, k], scores [t, e], slots
@@ -182,7 +183,8 @@ def moe_forward(x, logits, bias, expert_weights: dict, weight_axes: dict, *, rou
     for the capacity dispatch `batched_ffn(buffer [e_local, n, d], weights) -> [e_local, n, d]`.
     `dispatch`: `dispatch_for(capacity_factor)` (default dropless). Without a mesh (or outside
     `use_rules`) everything runs on one device. `exchange`: auto | padded | ragged
-    (meshes/expert_exchange.py; the dropless dispatch's).
+    (meshes/expert_exchange.py; the dropless dispatch's). `weight_dtype`: the experts' compute
+    dtype, for the rule set's weight gather (meshes/weight_gather.py).
     """
     kw = dict(route=route, ffn=ffn, batched_ffn=batched_ffn, num_experts=num_experts,
               dispatch=dispatch if dispatch is not None else DroplessDispatch())
@@ -194,16 +196,42 @@ def moe_forward(x, logits, bias, expert_weights: dict, weight_axes: dict, *, rou
                          f"{layout.ep_axes} of size {layout.ep_size}")
     w_specs = {n: layout.weight_spec(weight_axes[n]) for n in expert_weights}
     place = lambda v, spec: jax.lax.with_sharding_constraint(v, NamedSharding(mesh, spec))
-    # Bring FSDP-sharded weights to their compute layout (XLA all-gathers them here).
-    expert_weights = {n: place(w, w_specs[n]) for n, w in expert_weights.items()}
+    gathers = _in_body_gathers(expert_weights, weight_axes, w_specs, mesh, rules, weight_dtype)
+    if gathers is None:
+        # Bring FSDP-sharded weights to their compute layout (XLA all-gathers them here).
+        expert_weights = {n: place(w, w_specs[n]) for n, w in expert_weights.items()}
+    else:  # they enter sharded; the body gathers them (cast first, float32 gradient reduction)
+        w_specs = {n: stored for n, (stored, _) in gathers.items()}
+        expert_weights = {n: place(w, w_specs[n]) for n, w in expert_weights.items()}
     x, logits = place(x, layout.token_spec), place(logits, layout.token_spec)
     bias_spec = PartitionSpec()
     if bias is None:
         bias = jnp.zeros((num_experts,), jnp.float32)
     kw["exchange"] = make_exchange(exchange, layout.ep_axes, layout.ep_size, _platform(mesh))
-    body = lambda xs, lg, b, ws: _device_moe(xs, lg, b, ws, layout=layout, **kw)
+    def body(xs, lg, b, ws):
+        if gathers is not None:
+            how = strategy(rules)
+            ws = {n: how.gather_in_shard_map(w, gathers[n][1], weight_dtype) for n, w in ws.items()}
+        return _device_moe(xs, lg, b, ws, layout=layout, **kw)
+
     # check_vma=False: the Pallas kernels inside (routing, grouped matmul) carry no varying-axes
     # annotation; the layout-equivalence tests check the gradients.
     return jax.shard_map(body, mesh=mesh, in_specs=(layout.token_spec, layout.token_spec, bias_spec, w_specs),
                          out_specs=(layout.token_spec, PartitionSpec()), check_vma=False)(x, logits, place(bias, bias_spec),
                                                                            expert_weights)
+
+
+def _in_body_gathers(expert_weights, weight_axes, w_specs, mesh, rules, weight_dtype):
+    """{name: (stored spec, axes each dim gathers)} when the rule set gathers weights inside
+    the body (meshes/weight_gather.py CastThenGather) and every weight's stored layout gathers
+    to its compute layout; else None (XLA gathers them at the shard_map's edge)."""
+    if strategy(rules).name != "cast_then_gather" or weight_dtype is None:
+        return None
+    out = {}
+    for n, w in expert_weights.items():
+        stored = spec_for(weight_axes[n], w.shape, rules.params, mesh)
+        axes = gather_axes(stored, w_specs[n], w.ndim)
+        if axes is None:
+            return None
+        out[n] = (stored, axes)
+    return out

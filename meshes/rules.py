@@ -151,6 +151,10 @@ class RuleSet:
     # Where the optimizer state lives between steps: "device", or "pinned_host" (overlay
     # `+opt_host`): the step brings it to the device for the update and writes it back.
     optimizer_memory: str = "device"
+    # How FSDP-sharded weights are cast and gathered for compute (meshes/weight_gather.py):
+    # "cast_where_used", or "cast_then_gather" (overlay `+gather_bf16`: bf16 gathers, float32
+    # gradient reductions).
+    weight_gather: str = "cast_where_used"
 
     def __post_init__(self):  # each table carries the set's name (also after an overlay's replace)
         for part in ("params", "activations", "optimizer"):
@@ -256,7 +260,8 @@ def _expert_tensor_parallel(table: Table) -> Table:
 
 OVERLAYS = {"experts_folded": _fold_experts, "expert_tp": _expert_tensor_parallel}
 # Overlays of the whole rule set rather than of a table.
-SET_OVERLAYS = {"opt_host": lambda rules: dataclasses.replace(rules, optimizer_memory="pinned_host")}
+SET_OVERLAYS = {"opt_host": lambda rules: dataclasses.replace(rules, optimizer_memory="pinned_host"),
+                "gather_bf16": lambda rules: dataclasses.replace(rules, weight_gather="cast_then_gather")}
 
 
 def get_rule_set(name: str) -> RuleSet:

@@ -101,3 +101,36 @@ def executed_collective_stats(hlo_text: str) -> dict[str, dict[str, int]]:
                 stats[found[0]]["count"] += times.get(name, 0)
                 stats[found[0]]["bytes"] += times.get(name, 0) * found[1]
     return stats
+
+
+def compile_with_partitioned_hlo(lowered):
+    """(compiled, the HLO text right after SPMD partitioning) of a jax `Lowered`.
+
+    The compiled text's collective dtypes are the backend's, not the program's: XLA:CPU's
+    all-reduce promotion and bf16 float normalization run after partitioning and turn every bf16
+    collective into a float32 one. The partitioned module keeps the dtypes a GPU would move
+    (its loops carry no trip counts yet: count it with `collective_stats`)."""
+    import glob
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        compiled = lowered.compile(compiler_options={"xla_dump_to": d,
+                                                     "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        found = glob.glob(os.path.join(d, "*after_spmd-partitioning*"))
+        text = open(max(found, key=os.path.getsize)).read() if found else ""
+    return compiled, text
+
+
+def collectives_by_dtype(hlo_text: str) -> dict[tuple[str, str], dict[str, int]]:
+    """{(op, dtype): {"count", "bytes"}}, each instruction once (e.g. ("all-gather", "bf16"))."""
+    stats: dict[tuple[str, str], dict[str, int]] = {}
+    for line in hlo_text.splitlines():
+        found = _collective(line)
+        if found:
+            m = _INSTRUCTION.search(_COMMENT.sub("", line))
+            dtype = _ARRAY.search(m.group("shape")).group("dtype")
+            entry = stats.setdefault((found[0], dtype), {"count": 0, "bytes": 0})
+            entry["count"] += 1
+            entry["bytes"] += found[1]
+    return stats

@@ -6,7 +6,8 @@ from typing import Sequence
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers.params import normal, param, zeros
+from meshes.weight_gather import contract
+from models.layers.params import logical_axes, normal, param, zeros
 
 
 class Dense(nnx.Module):
@@ -26,7 +27,10 @@ class Dense(nnx.Module):
         n_in = len(self.in_shape)
         if x.shape[x.ndim - n_in:] != self.in_shape:
             raise ValueError(f"Dense expects trailing dims {self.in_shape}, got {x.shape}")
-        y = jnp.tensordot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), axes=n_in)
+        kernel = self.kernel[...]
+        # the weight's own names (a stacked layer's variable also names its leading `layers`)
+        names = logical_axes(self.kernel)[-kernel.ndim:]
+        y = contract(x, kernel, n_in, self.dtype, names)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshes.rules import constrain_param
+from meshes.weight_gather import contract
 from models.layers.params import normal, param
 
 
@@ -25,7 +26,7 @@ class Embed(nnx.Module):
 
     def attend(self, x):
         """Logits against the embedding table (tied head)."""
-        return jnp.einsum("...d,vd->...v", x.astype(self.dtype), self.table[...].astype(self.dtype))
+        return contract(x, self.table[...].T, 1, self.dtype, ("embed", "vocab"))
 
 
 class LMHead(nnx.Module):
@@ -34,4 +35,4 @@ class LMHead(nnx.Module):
         self.kernel = param(rngs, normal(init_std), (embed, vocab), ("embed", "vocab"))
 
     def __call__(self, x):
-        return jnp.einsum("...d,dv->...v", x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        return contract(x, self.kernel[...], 1, self.dtype, ("embed", "vocab"))

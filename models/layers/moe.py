@@ -91,7 +91,8 @@ class MoEBlock(nnx.Module):
             route=make_route_fn(self.cfg, kernels),
             ffn=lambda tokens, sizes, weights: self.experts.compute(tokens, sizes, weights, kernels),
             batched_ffn=self.experts.compute_batched, dispatch=dispatch_for(self.cfg.capacity_factor),
-            num_experts=self.cfg.num_experts, hidden=self.expert_hidden, mesh=active_mesh(), rules=active_rules())
+            num_experts=self.cfg.num_experts, hidden=self.expert_hidden, mesh=active_mesh(), rules=active_rules(),
+            weight_dtype=self.experts.dtype)
         if self.latent_up is not None:
             y = self.latent_up(y)
         if self.shared is not None:

@@ -1,0 +1,161 @@
+"""How an FSDP-sharded float32 weight reaches the layer that computes with it.
+
+Parameters live in float32, split over the data-parallel axes (FSDP/ZeRO-3, `rules=fsdp`), and
+are cast to the compute dtype where they are used. A strategy object, chosen by the rule set
+(`RuleSet.weight_gather`), decides where that cast happens relative to the all-gather and in
+which dtype the weight gradient is reduced:
+
+  CastWhereUsed    (default) `w.astype(dtype)` at the use; XLA's sharding propagation decides
+                   whether the convert runs before or after the gather, and the weight
+                   gradient is reduced in the dtype its matmul produced (bf16 for a bf16 model).
+  CastThenGather   (overlay `+gather_bf16`, PyTorch FSDP2's mixed-precision policy): the weight
+                   is cast on its sharded layout, then gathered (bf16 on the wire), and its
+                   gradient leaves its matmul in float32 and is reduce-scattered in float32.
+
+Two places use it: `contract` (a dense layer's matmul under SPMD) and `gather_in_shard_map`
+(a weight entering a shard_map sharded, e.g. routed experts in meshes/experts.py, where each
+device's gradient is still its own unreduced contribution, so the bwd reduce-scatters it).
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+# The names FSDP splits over the data-parallel axes on top of tensor/expert parallelism: a weight
+# is "gathered" when these dimensions are whole (meshes/rules.py `_FSDP_PARAMS`).
+FSDP_GATHERED_NAMES = ("embed", "expert_embed", "q_lora", "kv_lora")
+
+
+def gathered_table(params: dict) -> dict:
+    """The parameter table of a weight as a layer computes with it: FSDP's splits dropped."""
+    return {k: v for k, v in params.items() if k not in FSDP_GATHERED_NAMES}
+
+
+@dataclasses.dataclass(frozen=True)
+class CastWhereUsed:
+    """The cast at the use; XLA places it and the gradient's reduction (module docstring)."""
+    name = "cast_where_used"
+
+    def contract(self, x, w, n_in: int, dtype, names, mesh, rules):
+        return jnp.tensordot(x.astype(dtype), w.astype(dtype), axes=n_in)
+
+    def gather_in_shard_map(self, w, axes_per_dim, dtype):
+        return _all_gather_dims(w, axes_per_dim).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class CastThenGather:
+    """Cast on the sharded layout, gather in the compute dtype; gradients reduced in float32."""
+    name = "cast_then_gather"
+
+    def contract(self, x, w, n_in: int, dtype, names, mesh, rules):
+        if mesh is None or dtype is None or jnp.dtype(dtype) == w.dtype:
+            return CastWhereUsed().contract(x, w, n_in, dtype, names, mesh, rules)
+        from meshes.rules import spec_for
+        sharded = NamedSharding(mesh, spec_for(names, w.shape, rules.params, mesh))
+        gathered = NamedSharding(mesh, spec_for(names, w.shape, gathered_table(rules.params), mesh))
+        return _contract_cast_then_gather(x.astype(dtype), w, n_in, jnp.dtype(dtype), sharded, gathered)
+
+    def gather_in_shard_map(self, w, axes_per_dim, dtype):
+        if not any(axes_per_dim) or dtype is None or jnp.dtype(dtype) == w.dtype:
+            return w.astype(dtype)
+        return _gather_cast_first(w, tuple(axes_per_dim), jnp.dtype(dtype))
+
+
+WEIGHT_GATHERS = {s.name: s for s in (CastWhereUsed(), CastThenGather())}
+
+
+# ---- the matmul under SPMD -----------------------------------------------------------------
+
+def _pin(v, sharding):
+    return jax.lax.with_sharding_constraint(v, sharding)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _contract_cast_then_gather(x, w, n_in, dtype, sharded, gathered):
+    # Pinning the bf16 copy to the sharded layout first makes XLA convert before it gathers.
+    wb = _pin(_pin(w.astype(dtype), sharded), gathered)
+    return jnp.tensordot(x, wb, axes=n_in)
+
+
+def _contract_fwd(x, w, n_in, dtype, sharded, gathered):
+    # The residual is the sharded weight, not the gathered copy: the backward gathers again,
+    # as FSDP does, instead of keeping every layer's gathered weight alive.
+    return _contract_cast_then_gather(x, w, n_in, dtype, sharded, gathered), (x, w)
+
+
+def _contract_bwd(n_in, dtype, sharded, gathered, residuals, g):
+    x, w = residuals
+    wb = _pin(_pin(w.astype(dtype), sharded), gathered)
+    g = g.astype(dtype)
+    batch = tuple(range(x.ndim - n_in))
+    # dx = g . w^T over w's output dims; dw = x^T . g over the batch dims, produced in float32
+    # (bf16 operands) so the partial sums are reduce-scattered in float32.
+    dx = jax.lax.dot_general(g, wb, ((tuple(range(len(batch), g.ndim)), tuple(range(n_in, wb.ndim))), ((), ())))
+    dw = jax.lax.dot_general(x, g, ((batch, batch), ((), ())), preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), _pin(dw, sharded)
+
+
+_contract_cast_then_gather.defvjp(_contract_fwd, _contract_bwd)
+
+
+# ---- a weight gathered inside a shard_map --------------------------------------------------
+
+def _all_gather_dims(w, axes_per_dim):
+    for dim, axes in enumerate(axes_per_dim):
+        if axes:
+            w = jax.lax.all_gather(w, axes, axis=dim, tiled=True)
+    return w
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather_cast_first(w, axes_per_dim, dtype):
+    return _all_gather_dims(w.astype(dtype), axes_per_dim)
+
+
+def _gather_fwd(w, axes_per_dim, dtype):
+    return _all_gather_dims(w.astype(dtype), axes_per_dim), None
+
+
+def _gather_bwd(axes_per_dim, dtype, _, g):
+    g = g.astype(jnp.float32)  # this device's own contribution: reduce it in float32
+    for dim, axes in enumerate(axes_per_dim):
+        if axes:
+            g = jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+    return (g,)
+
+
+_gather_cast_first.defvjp(_gather_fwd, _gather_bwd)
+
+
+def spec_axes(spec: PartitionSpec, ndim: int) -> tuple[tuple[str, ...], ...]:
+    """Each dimension's mesh axes in a PartitionSpec, as tuples."""
+    entries = tuple(spec) + (None,) * (ndim - len(spec))
+    return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries)
+
+
+def gather_axes(stored: PartitionSpec, compute: PartitionSpec, ndim: int):
+    """Per dimension, the axes a tiled all-gather must undo to turn the `stored` layout into the
+    `compute` one, or None when it is not such a gather (compute's axes not a major prefix)."""
+    out = []
+    for have, want in zip(spec_axes(stored, ndim), spec_axes(compute, ndim)):
+        if have[:len(want)] != want:
+            return None
+        out.append(have[len(want):])
+    return tuple(out)
+
+
+def strategy(rules) -> CastWhereUsed | CastThenGather:
+    return WEIGHT_GATHERS[getattr(rules, "weight_gather", CastWhereUsed.name)] if rules is not None else CastWhereUsed()
+
+
+def contract(x, w, n_in: int, dtype, names: Sequence[str | None]):
+    """tensordot(x, w) over w's first `n_in` dims in `dtype`, w gathered per the active rules."""
+    from meshes.rules import active_mesh, active_rules
+    rules = active_rules()
+    return strategy(rules).contract(x, w, n_in, dtype, tuple(names), active_mesh(), rules)
