@@ -68,7 +68,8 @@ def bench_layout(exp, plan, *, steps: int, compile_only: bool, max_replicated: f
     from meshes.sharding_audit import audit_sharding, check_sufficiently_sharded
 
     from jaxtrain.observe.flops import model_flops_utilization, peak_flops
-    from jaxtrain.observe.hlo_stats import collective_stats, executed_collective_stats
+    from jaxtrain.observe.hlo_stats import (collective_stats, collectives_by_dtype, compile_with_partitioned_hlo,
+                                            executed_collective_stats)
     from jaxtrain.training.train_setup import build_train_setup
 
     t = exp.train
@@ -79,7 +80,8 @@ def bench_layout(exp, plan, *, steps: int, compile_only: bool, max_replicated: f
     if max_replicated is not None:
         check_sufficiently_sharded(audit, max_replicated)
     t0 = time.perf_counter()
-    compiled = step.lower(abstract, abstract_batch).compile()
+    # The partitioned module keeps bf16 collectives bf16 (XLA:CPU widens them afterwards).
+    compiled, partitioned = compile_with_partitioned_hlo(step.lower(abstract, abstract_batch))
     out = {"compile_s": time.perf_counter() - t0, "devices": setup.mesh.size,
            "params_replicated_gb": audit.replicated_bytes_per_device / 2**30,
            "sharding_audit": audit.summary()}
@@ -90,6 +92,7 @@ def bench_layout(exp, plan, *, steps: int, compile_only: bool, max_replicated: f
     hlo = compiled.as_text()
     out["collectives"] = collective_stats(hlo)  # each instruction once
     out["executed"] = executed_collective_stats(hlo)  # each run counted: loop bodies x trips
+    out["partitioned"] = collectives_by_dtype(partitioned)  # each instruction once, the program's dtypes
     if hasattr(setup.gradients, "bubble"):
         out["bubble"] = setup.gradients.bubble
     if compile_only:
@@ -129,8 +132,11 @@ def format_row(name: str, r: dict) -> str:
         fields.append(f"bubble {r['bubble']:.3f}")
     fields += [f"args {r.get('argument_gb', 0):.3f} GB", f"out {r.get('output_gb', 0):.3f} GB",
                f"temp {r.get('temp_gb', 0):.3f} GB", f"compile {r['compile_s']:.1f}s"]
+    typed = " ".join(f"{op}:{dtype}:{v['count']}/{v['bytes'] / 2**20:.1f}MiB"
+                     for (op, dtype), v in sorted(r.get("partitioned", {}).items()))
     return " | ".join(fields) + (f"\n{'':<34}   collectives per step {total / 2**30:.2f} GiB: {coll_text}"
-                                 if coll_text else "") + (f"\n{'':<34}   {r['sharding_audit']}" if "sharding_audit" in r else "")
+                                 if coll_text else "") + (
+        f"\n{'':<34}   as partitioned (each instruction once, before XLA:CPU widens bf16): {typed}" if typed else "") + (f"\n{'':<34}   {r['sharding_audit']}" if "sharding_audit" in r else "")
 
 
 def json_record(spec: str, exp, plan, r: dict | None, error: str | None = None) -> dict:
@@ -147,7 +153,7 @@ def json_record(spec: str, exp, plan, r: dict | None, error: str | None = None) 
     if error is not None:
         record["error"] = error
     else:
-        record.update({k: v for k, v in r.items() if k not in ("collectives", "executed", "sharding_audit")})
+        record.update({k: v for k, v in r.items() if k not in ("collectives", "executed", "partitioned", "sharding_audit")})
         record["collective_bytes"] = sum(v["bytes"] for v in r.get("executed", {}).values())
     return record
 
