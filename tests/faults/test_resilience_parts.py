@@ -92,6 +92,9 @@ def test_peer_timeout_is_read_from_gin_files_includes_and_params(tmp_path):
     assert launch.peer_timeout_s([str(top)], ["TrainConfig.steps=4"]) == 25.0
     assert launch.peer_timeout_s([launch.DEFAULT_GIN], []) == launch.DEFAULT_PEER_TIMEOUT_S
     assert launch.peer_timeout_s([str(top)], ["ResilienceConfig.peer_timeout_s='x'"]) == launch.DEFAULT_PEER_TIMEOUT_S
+    # a saved config.gin from before the split binds the old name: still read, the new one wins
+    assert launch.peer_timeout_s([launch.DEFAULT_GIN], ["TrainConfig.peer_timeout_s=9"]) == 9.0
+    assert launch.peer_timeout_s([str(top)], ["TrainConfig.peer_timeout_s=9"]) == 25.0
 
 
 # -- peers ----------------------------------------------------------------------------------------
