@@ -13,6 +13,8 @@ import socket
 import sys
 import threading
 
+from jaxtrain.xla_gpu_flags import apply_gpu_flags
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # jaxtrain/cli/ -> repo
 DEFAULT_GIN = os.path.join(REPO_ROOT, "configs", "default.gin")
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -216,6 +218,7 @@ def start(args) -> None:
     """Parse gin for real (strict) and join the other processes when there are several."""
     gin_files = args.gin_file or [DEFAULT_GIN]
     processes = _launched_processes(args)
+    apply_gpu_flags()  # before jax starts a backend: XLA reads XLA_FLAGS once (jaxtrain/xla_gpu_flags.py)
     simulate_devices_if_needed(gin_files, args.gin_param, processes)
     if processes > 1:
         join_processes(args, processes, peer_timeout_s(gin_files, args.gin_param))
