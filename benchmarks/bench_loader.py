@@ -10,7 +10,7 @@ MB. Then, each in a fresh process (so peak RSS is that run's own):
   first batch   make_train_iterator over the store (16 x 4096, shuffled) up to its first batch:
                 seconds and the process's peak RSS, for the big and the small store
   throughput    --batches batches of 16 x 4096 from the big store through the grain iterator
-                (read from the memory map, packed, handed over): windows/s
+                (read from the store, packed, handed over): windows/s, and RSS before and after
 
 and compares the throughput with what an H200 consumes at the planner's predicted step time for
 configs/gpu_dense_4k.gin at 16 x 4096 (`python -m jaxtrain.plan`, best layout): issue 23's
@@ -56,6 +56,18 @@ def write_store(path: pathlib.Path, tokens: int, seed: int = 0) -> pathlib.Path:
     return path
 
 
+def rss_mb() -> dict:
+    """This process's resident memory now (MB): anonymous (the loader's own arrays) and file pages
+    (what it has mapped of files: libraries, and a memory-mapped corpus's touched pages)."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile", "VmHWM"):
+                fields[key] = int(value.split()[0]) / 1024
+    return {"anon_mb": fields["RssAnon"], "file_mb": fields["RssFile"], "peak_rss_mb": fields["VmHWM"]}
+
+
 def first_batch(store: str) -> dict:
     """In this process: seconds to the first batch and peak RSS (MB)."""
     from jaxtrain.data.packing import DataConfig, make_train_iterator
@@ -67,23 +79,26 @@ def first_batch(store: str) -> dict:
     batch = next(it)
     seconds = time.perf_counter() - start
     assert batch["inputs"].shape == (GLOBAL_BATCH, SEQ_LEN)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"first_batch_s": seconds, "peak_rss_mb": peak, "rss_before_mb": before}
+    return {"first_batch_s": seconds, "rss_before_mb": before, **rss_mb()}
 
 
 def throughput(store: str, batches: int) -> dict:
+    """windows/s over `batches` batches, and RSS before and after them (a loader whose RSS grows
+    with the batches read would reach the corpus's size in a long run)."""
     from jaxtrain.data.packing import DataConfig, make_train_iterator
 
     it = make_train_iterator(DataConfig(train_files=(store,), eval_files=(store,)), seq_len=SEQ_LEN,
                              global_batch=GLOBAL_BATCH, seed=0)
     next(it)  # start-up measured separately
+    before = rss_mb()
     start = time.perf_counter()
     real = 0.0
     for _ in range(batches):
         real += float(next(it)["loss_mask"].sum())
     seconds = time.perf_counter() - start
     assert real > 0.9 * batches * GLOBAL_BATCH * SEQ_LEN
-    return {"windows_per_s": batches * GLOBAL_BATCH / seconds, "batches": batches, "seconds": seconds}
+    return {"windows_per_s": batches * GLOBAL_BATCH / seconds, "batches": batches, "seconds": seconds,
+            "before": before, "after": rss_mb()}
 
 
 def h200_windows_per_s() -> tuple[float, float]:
@@ -121,14 +136,19 @@ def main(argv=None) -> None:
     step, consumed = h200_windows_per_s()
     size = {name: sum(f.stat().st_size for f in path.iterdir()) / 2**20
             for name, path in (("big", big), ("small", small))}
-    print(f"{'store':>8} {'size MB':>9} {'first batch s':>14} {'peak RSS MB':>12}")
+    print(f"{'store':>8} {'size MB':>9} {'first batch s':>14} {'peak RSS MB':>12} {'RssAnon MB':>11} {'RssFile MB':>11}")
     for name in ("big", "small"):
-        print(f"{name:>8} {size[name]:>9.0f} {rows[name]['first_batch_s']:>14.3f} {rows[name]['peak_rss_mb']:>12.0f}")
+        row = rows[name]
+        print(f"{name:>8} {size[name]:>9.0f} {row['first_batch_s']:>14.3f} {row['peak_rss_mb']:>12.0f} "
+              f"{row['anon_mb']:>11.0f} {row['file_mb']:>11.0f}")
     ratio = rows["big"]["first_batch_s"] / rows["small"]["first_batch_s"]
     extra = rows["big"]["peak_rss_mb"] - rows["small"]["peak_rss_mb"]
     print(f"start-up big/small: {ratio:.2f}x time, {extra:+.0f} MB peak RSS (targets <= 1.3x, <= +300 MB)")
     print(f"loader: {fast['windows_per_s']:.0f} windows/s of {GLOBAL_BATCH} x {SEQ_LEN} "
           f"({fast['batches']} batches in {fast['seconds']:.2f} s, 0 worker processes, 1 prefetch thread)")
+    b, a = fast["before"], fast["after"]
+    print(f"RSS over those batches: RssAnon {b['anon_mb']:.0f} -> {a['anon_mb']:.0f} MB, RssFile "
+          f"{b['file_mb']:.0f} -> {a['file_mb']:.0f} MB, peak {a['peak_rss_mb']:.0f} MB")
     print(f"H200 (planner, gpu_dense_4k.gin at {GLOBAL_BATCH} x {SEQ_LEN}): step {step:.3f} s = "
           f"{consumed:.1f} windows/s; "
           f"loader / H200 = {fast['windows_per_s'] / consumed:.0f}x (target >= 20x)")

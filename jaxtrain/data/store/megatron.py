@@ -50,7 +50,8 @@ def code_of(dtype) -> int:
 
 
 class MegatronIndexedDataset:
-    """A `TokenSource` over `prefix.bin`/`prefix.idx`, memory-mapped; checks sizes at open.
+    """A `TokenSource` over `prefix.bin`/`prefix.idx`: the index read and checked at open, the
+    `.bin` read slice by slice (positioned reads).
 
     `vocab_size` is None unless given (the files do not say); `pad_id` only fills partial windows
     whose loss is masked, so any id of the vocabulary serves.

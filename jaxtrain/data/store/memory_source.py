@@ -3,7 +3,7 @@ adapter that turns raw text files into one (each document `[bos] + tokens + [eos
 training has always used, so raw files keep giving the batches they always gave).
 
 Raw files are tokenized at every start and held whole; corpora beyond a few hundred MB belong in
-a token store (`python -m jaxtrain.data prepare`), which training reads from memory maps.
+a token store (`python -m jaxtrain.data prepare`), which training reads slice by slice.
 """
 from __future__ import annotations
 

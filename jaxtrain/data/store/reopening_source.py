@@ -1,6 +1,6 @@
-"""A memory-mapped source that pickles as its path: a copy sent to a worker process (grain's
-workers, multiprocessing) opens its own memory maps there, lazily, instead of receiving the whole
-corpus by value (pickling a numpy memmap copies its data)."""
+"""A file-backed source that pickles as its path: a copy sent to a worker process (grain's
+workers, multiprocessing) opens the store or prefix again there, lazily, instead of receiving
+what the parent opened by value (an index read at open, or, for a memory map, the whole corpus)."""
 from __future__ import annotations
 
 

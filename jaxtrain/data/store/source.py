@@ -1,5 +1,5 @@
 """What training reads from: a `TokenSource` is a collection of tokenized documents, read by
-index and slice from memory maps, never held whole.
+index and slice from files (positioned reads), never held whole.
 
 Every kind of source gives the same view: a token store written by `python -m jaxtrain.data
 prepare` (jaxtrain/data/store/), a Megatron-LM indexed dataset (`prefix.bin` + `prefix.idx`), or
@@ -26,7 +26,7 @@ class TokenSource(Protocol):
 
     @property
     def document_lengths(self) -> np.ndarray:
-        """int64 [documents]: each document's length in tokens (may be a memory map)."""
+        """int64 [documents]: each document's length in tokens."""
 
     def tokens(self, document: int, start: int = 0, stop: int | None = None) -> np.ndarray:
         """int32 copy of tokens [start, stop) of one document."""

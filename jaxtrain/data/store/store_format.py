@@ -121,7 +121,7 @@ def check_offsets(offsets: np.ndarray, tokens: int, where: pathlib.Path) -> None
 
 
 class TokenStore:
-    """A `TokenSource` (jaxtrain/data/store/source.py) over a store directory, memory-mapped."""
+    """A `TokenSource` (jaxtrain/data/store/source.py) over a store directory, read by positioned reads."""
 
     def __init__(self, path: str | pathlib.Path):
         self.path = pathlib.Path(path)

@@ -3,8 +3,8 @@
 An entry is a raw corpus file (`.txt`, `.jsonl`, a `save_to_disk` folder: tokenized in memory at
 start, `[bos] + tokens + [eos]` per document), a token store folder (`python -m jaxtrain.data
 prepare`), or a Megatron-LM prefix (`prefix.bin` + `prefix.idx`; naming either file also works).
-Raw files of one list form one source, in the order given; stores and prefixes are read from
-memory maps.
+Raw files of one list form one source, in the order given; stores and prefixes are read slice
+by slice from their files.
 """
 from __future__ import annotations
 
