@@ -29,6 +29,12 @@ def corpora(tmp_path_factory):
     prepare([str(text)], str(tokenizer), root / "bpe_store", workers=1)
     write_megatron_reference(root / "big_ids", [[[5, 6, 7000]]] * 40, np.uint16)
     write_megatron_reference(root / "empty", [], np.uint16)
+    prepare([str(text)], "bytes", root / "truncated_store", workers=1)
+    tokens = root / "truncated_store" / "tokens.bin"
+    tokens.write_bytes(tokens.read_bytes()[:-6])
+    write_megatron_reference(root / "truncated_idx", [[[5, 6, 7]]] * 40, np.uint16)
+    idx = root / "truncated_idx.idx"
+    idx.write_bytes(idx.read_bytes()[:-5])
     return root
 
 
@@ -38,11 +44,15 @@ def corpora(tmp_path_factory):
     (["DataConfig.train_files=['{bpe_store}']"], ["{bpe_store}: tokenized with 'bpe@sha256:"]),
     (["DataConfig.blend=(1, '{text}', 1, '{big_ids}')"], ["{big_ids}: token id 7000 does not fit"]),
     (["DataConfig.train_files=['{empty}']"], ["{empty}", "empty"]),
-], ids=["weight_zero", "unpaired", "other_tokenizer", "ids_past_vocabulary", "empty_source"])
+    (["DataConfig.train_files=['{truncated_store}']"], ["{truncated_store}/tokens.bin", "truncated or corrupt"]),
+    (["DataConfig.train_files=['{truncated_idx}']"], ["{truncated_idx}.idx", "truncated or corrupt"]),
+], ids=["weight_zero", "unpaired", "other_tokenizer", "ids_past_vocabulary", "empty_source", "truncated_store",
+        "truncated_idx"])
 def test_bad_data_source_exits_2_naming_it(corpora, tmp_path, capsys, bindings, names):
     workdir = tmp_path / "run"
     paths = {"text": str(corpora / "a.txt"), **{name: str(corpora / name) for name in
-                                                 ("bytes_store", "bpe_store", "big_ids", "empty")}}
+                                                 ("bytes_store", "bpe_store", "big_ids", "empty", "truncated_store",
+                                                  "truncated_idx")}}
     args = [f"--workdir={workdir}", *TINY, *[f"--gin_param={b.format(**paths)}" for b in bindings]]
     gin.clear_config()
     handler_before = signal.getsignal(signal.SIGTERM)
