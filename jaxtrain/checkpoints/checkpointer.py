@@ -135,7 +135,9 @@ class Checkpointer:
         self.wait()  # Orbax would wait for the previous save anyway; this names its failure right
         saved = {k: state[k] for k in STATE_ITEMS if k in state}
         items = {k: ocp.args.StandardSave(v) for k, v in saved.items()}
-        manifest = {"items": sorted(saved), "fingerprints": tree_fingerprints(saved), "time": time.time(),
+        # a state built for the save may bring some fingerprints along (jaxtrain/pipeline/streamed_save.py)
+        known = {p: fp for p, fp in getattr(state, "fingerprints", {}).items() if p.split("/")[0] in saved}
+        manifest = {"items": sorted(saved), "fingerprints": tree_fingerprints(saved, known), "time": time.time(),
                     **(extra or {})}
         if self.roles is not None:
             manifest["roles"] = self.roles

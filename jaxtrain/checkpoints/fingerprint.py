@@ -62,6 +62,21 @@ def _device_leaf(x):
     return jnp.stack(_leaf_sums(x, index, jnp))
 
 
+def offset_sums(x, rows_before):
+    """The two sums of `x` as row `rows_before` of a stack [rows, *x.shape] (traced or not):
+    its elements' global indices start at rows_before * x.size. Summed over every row (modulo
+    2**32) they equal the stack's fingerprint sums."""
+    index = jnp.zeros(x.shape, jnp.uint32) + jnp.asarray(rows_before, jnp.uint32) * jnp.uint32(x.size % 2**32)
+    for dim, stride in enumerate(_strides(x.shape)):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, dim) * jnp.uint32(stride % 2**32)
+    return jnp.stack(_leaf_sums(x, index, jnp))
+
+
+def format_sums(sums) -> str:
+    """Two sums as a fingerprint string (the manifest's form)."""
+    return _format(sums)
+
+
 def _strides(shape) -> list[int]:
     return [int(np.prod(shape[d + 1:], dtype=np.int64)) for d in range(len(shape))]
 
@@ -72,11 +87,13 @@ def _jitted(count: int):
     return jax.jit(lambda leaves: [_device_leaf(x) for x in leaves])
 
 
-def tree_fingerprints(tree) -> dict[str, str]:
+def tree_fingerprints(tree, known: dict | None = None) -> dict[str, str]:
     """{"path/to/leaf": "xxxxxxxx-xxxxxxxx"} for every array leaf of `tree`, computed on device
     in the arrays' own shardings. Leaves kept in host memory (offloaded optimizer state) visit
-    the device one at a time, so hashing them never holds more than one on the device."""
-    paths_leaves = jax.tree_util.tree_leaves_with_path(tree)
+    the device one at a time, so hashing them never holds more than one on the device. `known`:
+    fingerprints already computed (by whoever built those leaves), taken as they are."""
+    known = known or {}
+    paths_leaves = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(tree) if leaf_path(p) not in known]
     on_host = [_memory_kind(leaf) not in (None, "device") for _, leaf in paths_leaves]
     device_leaves = [leaf for (_, leaf), host in zip(paths_leaves, on_host) if not host]
     sums = iter(jax.device_get(_jitted(len(device_leaves))(device_leaves)))
@@ -87,7 +104,7 @@ def tree_fingerprints(tree) -> dict[str, str]:
             out[leaf_path(path)] = _format(jax.device_get(_jitted(1)([leaf])[0]))
         else:
             out[leaf_path(path)] = _format(next(sums))
-    return out
+    return {**out, **{p: fp for p, fp in known.items()}}
 
 
 def _memory_kind(leaf):

@@ -2,9 +2,10 @@
 (jaxtrain/pipeline/layout.py), each stage's layers and optimizer state only on its pipeline
 group. Same interface as training/state_layouts.CanonicalState.
 
-Checkpoints stay canonical: `to_disk` regroups before a save, `from_disk` after a restore,
-both jitted into the target shardings. On disk (and briefly around a save/restore) stacks are
-laid out canonically with their `layers` dimension split over `pipeline` where it divides.
+Checkpoints stay canonical: `to_disk` builds the canonical tree for a save one layer at a time
+in host memory (streamed_save.py), `from_disk` regroups after a restore, jitted into the stage
+shardings. On disk (and briefly after a restore) stacks are laid out canonically with their
+`layers` dimension split over `pipeline` where it divides.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.checkpoints.checkpointer import STATE_ITEMS
 from jaxtrain.pipeline.layout import PipelineLayout
+from jaxtrain.pipeline.streamed_save import StreamedCanonical
 from jaxtrain.training.state import (TrainState, abstract_model, count_params, in_memory, init_state,
                                      optimizer_shardings, param_shardings, shardings_by_path, with_shardings)
 from meshes.pipeline_split import StagePlan
@@ -50,6 +52,8 @@ class StagedState:
                                             self.disk_shardings)
         self.num_params = count_params(disk_params)
         self._regroupers = {}
+        self._streamed = StreamedCanonical(self.layout, self.disk_shardings, mesh)
+        self._canonical_in_memory = False  # the whole-tree regroup on the device (kept for comparison)
 
     def init(self, seed: int) -> TrainState:
         return init_state(self.model_cfg, self.tx, self.shardings, seed, regroup=self.layout.to_stages)
@@ -59,7 +63,10 @@ class StagedState:
         return self._regroup(state, "to_stages")
 
     def to_disk(self, state: dict) -> dict:
-        return self._regroup(state, "to_canonical")
+        """The canonical items for a save, built one layer at a time into host memory (never a
+        second copy of the state on the device: jaxtrain/pipeline/streamed_save.py)."""
+        items = {k: state[k] for k in STATE_ITEMS if k in state}
+        return self._streamed(items) if not self._canonical_in_memory else self._regroup(state, "to_canonical")
 
     def _regroup(self, state, direction: str):
         items = tuple(k for k in STATE_ITEMS if k in state)
