@@ -65,7 +65,7 @@ def test_the_streamed_canonical_tree_equals_the_whole_regroup(pipelined):
 def test_a_pipeline2_save_restores_exactly_on_one_device_and_on_pipeline2(pipelined, tmp_path):
     setup, state = pipelined
     canonical = jax.device_get(setup.state._regroup(state.checkpoint_items(), "to_canonical"))
-    ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+    ckpt = Checkpointer(str(tmp_path / "ckpt"))  # async, as training saves
     ckpt.save(3, setup.state.to_disk(state.checkpoint_items()))
     ckpt.wait()
 
@@ -91,18 +91,15 @@ def test_the_save_program_holds_one_layer_not_the_stack(pipelined):
     being larger than the whole stage-layout state."""
     setup, state = pipelined
     streamed = setup.state._streamed
-    streamed(state.checkpoint_items())  # builds the per-kind programs
-    items = state.checkpoint_items()
-    state_bytes = sum(math.prod(s.data.shape) * s.data.dtype.itemsize for x in jax.tree.leaves(
-        {k: items[k] for k in ("params", "opt_state")}) for s in x.addressable_shards[:1])
-    for (kind, leaves_key, _), program in streamed._programs.items():
-        leaves = [leaf for leaf in jax.tree.leaves(items) if (leaf.shape, leaf.dtype, leaf.sharding)
-                  in set(leaves_key)]
-        layer = sum(math.prod(shape[3:]) * np.dtype(dtype).itemsize for shape, dtype, _ in leaves_key)
-        args = [jax.ShapeDtypeStruct(s, d, sharding=sh) for s, d, sh in leaves_key]
-        mem = program.lower(args, *[np.int32(0)] * 4).compile().memory_analysis()
+    items = {k: state.checkpoint_items()[k] for k in ("params", "opt_state")}
+    state_bytes = sum(math.prod(x.addressable_shards[0].data.shape) * x.dtype.itemsize for x in jax.tree.leaves(items))
+    groups = streamed.groups(items)
+    assert {kind for kind, *_ in groups} == set(setup.state.layout.plan.kinds)
+    for kind, _, leaves, shardings in groups:
+        layer = sum(math.prod(x.shape[3:]) * x.dtype.itemsize for x in leaves)  # one layer, unsharded
+        program = streamed.layer_program(kind, leaves, shardings)
+        mem = program.lower(leaves, *[np.int32(0)] * 4).compile().memory_analysis()
         assert mem.output_size_in_bytes + mem.temp_size_in_bytes <= 3 * layer, (kind, mem, layer)
-        assert leaves
     whole = jax.jit(setup.state.layout.to_canonical, out_shardings=setup.state.disk_shardings["params"]).lower(
         items["params"]).compile().memory_analysis()
     params_bytes = sum(math.prod(x.addressable_shards[0].data.shape) * x.dtype.itemsize

@@ -53,7 +53,6 @@ class StagedState:
         self.num_params = count_params(disk_params)
         self._regroupers = {}
         self._streamed = StreamedCanonical(self.layout, self.disk_shardings, mesh)
-        self._canonical_in_memory = False  # the whole-tree regroup on the device (kept for comparison)
 
     def init(self, seed: int) -> TrainState:
         return init_state(self.model_cfg, self.tx, self.shardings, seed, regroup=self.layout.to_stages)
@@ -66,7 +65,7 @@ class StagedState:
         """The canonical items for a save, built one layer at a time into host memory (never a
         second copy of the state on the device: jaxtrain/pipeline/streamed_save.py)."""
         items = {k: state[k] for k in STATE_ITEMS if k in state}
-        return self._streamed(items) if not self._canonical_in_memory else self._regroup(state, "to_canonical")
+        return self._streamed(items)
 
     def _regroup(self, state, direction: str):
         items = tuple(k for k in STATE_ITEMS if k in state)

@@ -46,35 +46,44 @@ class StreamedCanonical:
 
     def __call__(self, items: dict) -> CanonicalItems:
         paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(items)
-        marks = jax.tree.leaves(map_param_leaves(lambda path, leaf: _Stacked(path), items,
-                                                 {p: self.layout.stage_shapes[p] for p in self.layout.kind_of},
-                                                 other=lambda leaf: None),
-                                is_leaf=lambda x: isinstance(x, _Stacked) or x is None)
-        disk = jax.tree.leaves(self.disk_shardings_for(items))
         out = [leaf for _, leaf in paths_leaves]
         fingerprints = {}
-        for kind in self.layout.plan.kinds:
-            members = [i for i, m in enumerate(marks) if isinstance(m, _Stacked) and self.layout.kind_of[m.path] == kind]
-            if not members:
-                continue
-            built = self._stream_kind(kind, [paths_leaves[i][1] for i in members], [disk[i] for i in members])
-            for i, (array, sums) in zip(members, built):
+        for kind, members, leaves, shardings in self.groups(items):
+            for i, (array, sums) in zip(members, self._stream_kind(kind, leaves, shardings)):
                 out[i] = array
                 fingerprints[leaf_path(paths_leaves[i][0])] = format_sums(sums)
         result = CanonicalItems(jax.tree_util.tree_unflatten(treedef, out))
         result.fingerprints = fingerprints
         return result
 
-    def disk_shardings_for(self, items: dict) -> dict:
-        return {k: self.disk_shardings[k] for k in items}
+    def groups(self, items: dict):
+        """[(kind, indices into the flattened items, those stage-layout leaves, their canonical
+        disk shardings)] for each layer kind with stacked leaves in `items`."""
+        leaves = jax.tree.leaves(items)
+        marks = jax.tree.leaves(map_param_leaves(lambda path, leaf: _Stacked(path), items,
+                                                 {p: self.layout.stage_shapes[p] for p in self.layout.kind_of},
+                                                 other=lambda leaf: None),
+                                is_leaf=lambda x: isinstance(x, _Stacked) or x is None)
+        disk = jax.tree.leaves({k: self.disk_shardings[k] for k in items})
+        assert len(marks) == len(leaves) == len(disk), (len(marks), len(leaves), len(disk))
+        out = []
+        for kind in self.layout.plan.kinds:
+            members = [i for i, m in enumerate(marks) if isinstance(m, _Stacked) and self.layout.kind_of[m.path] == kind]
+            if members:
+                out.append((kind, members, [leaves[i] for i in members], [disk[i] for i in members]))
+        return out
+
+    def layer_program(self, kind, leaves, shardings):
+        """The jitted program taking one canonical layer of `kind` from every given stage-layout
+        leaf: (leaves, stage, repeat, slot, layer) -> (rows, fingerprint sums)."""
+        return self._program(kind, tuple(leaves), tuple(_row_sharding(s) for s in shardings))
 
     # -- one kind's stacks, layer by layer ----------------------------------------------------
     def _stream_kind(self, kind, leaves, shardings):
         """[(canonical host array, fingerprint sums)] for each stage-layout leaf of `kind`."""
         positions = self.layout.plan.canonical_positions(kind)
         layers = len(positions)
-        row_shardings = [_row_sharding(s) for s in shardings]
-        program = self._program(kind, tuple(leaves), tuple(row_shardings))
+        program = self.layer_program(kind, leaves, shardings)
         pieces = [{} for _ in leaves]  # per leaf: {device: [host row shards, in layer order]}
         totals = [np.zeros(2, np.uint64) for _ in leaves]
         stage_dims = tuple(leaves[0].shape[:3])  # [stages, repeats, slots]
