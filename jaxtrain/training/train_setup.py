@@ -157,10 +157,14 @@ def build_train_setup(model_cfg, plan: ParallelPlan, train, optimizer: Optimizer
                       devices=None, groups: DeviceGroups | None = None) -> TrainSetup:
     """Validates the plan against the model and batch (before anything is compiled), then
     builds the run's parts. `train`: a TrainConfig (steps, batch, sequence, loss settings).
-    `groups`: data parallelism over device groups with uneven shares of the batch (each group
-    laid out by `plan`; `devices` then a flat list or one list per group)."""
+    `groups` (default: the plan's `groups`): data parallelism over device groups with uneven
+    shares of the batch (each group laid out by `plan`; `devices` then a flat list or one list per
+    group). The variant is chosen here, once: a GroupedTrainSetup brings its own steps and batch
+    strategy, so its callers never branch on it."""
     model_cfg = plan.apply_to_model(model_cfg)  # the plan's remat / attention overrides
-    if groups is not None and groups.rows:
+    if groups is None or not groups.rows:
+        groups = plan.device_groups()
+    if groups is not None:
         return _build_grouped_train_setup(model_cfg, plan, train, optimizer, devices, groups)
     mesh = build_mesh(plan.mesh, devices)
     plan.validate(model_cfg, global_batch=train.global_batch, seq_len=train.seq_len, mesh_shape=dict(mesh.shape),
