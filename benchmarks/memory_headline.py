@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     import gin
     import jax
 
-    from jaxtrain.cli.bench import bench_layout
+    from jaxtrain.planner.layout_bench import bench_layout
     from jaxtrain.planner.cluster import Cluster
     from jaxtrain.planner.links import LinkTable
     from jaxtrain.planner.planner import Planner, Workload

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from jaxtrain.cli.bench import bench_layout
+from jaxtrain.planner.layout_bench import bench_layout
 from jaxtrain.training.config import Experiment, TrainConfig
 from jaxtrain.data.packing import DataConfig
 from jaxtrain.training.optim import OptimizerConfig

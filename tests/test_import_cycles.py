@@ -21,9 +21,6 @@ KNOWN_PACKAGE_EDGES = {
     ("jaxtrain.pipeline", "jaxtrain.training"):
         "the stage layout and staged state build on training/state.py (init_state, map_param_leaves, "
         "optimizer_shardings ...), while train_setup assembles the pipeline",
-    ("jaxtrain.planner", "jaxtrain.cli"):
-        "planner/verify.py compiles a layout with cli/bench.bench_layout: a library function to move "
-        "out of the CLI module",
     ("jaxtrain.generate", "jaxtrain.cli"):
         "generate/loading.py restores parameters with cli/eval.restore_latest_params (TrainSetup.restore "
         "is to be the one restore path)",

@@ -13,7 +13,7 @@ The pipeline layout runs in the `full_size` lane (make test-full-size): a pipeli
 """
 import pytest
 
-from jaxtrain.cli.bench import bench_layout
+from jaxtrain.planner.layout_bench import bench_layout
 from jaxtrain.data.packing import DataConfig
 from jaxtrain.pipeline.config import PipelineConfig
 from jaxtrain.training.config import Experiment, TrainConfig

@@ -254,7 +254,7 @@ def test_compiled_memory_says_when_xla_replicated_a_value(monkeypatch):
     figures; a compile without it does not. bench_layout is a stub writing what XLA writes."""
     import os
 
-    import jaxtrain.cli.bench as bench
+    import jaxtrain.planner.layout_bench as bench
     from jaxtrain.training.parallel_plan import ParallelPlan
 
     figures = {"argument_gb": 1.0, "temp_gb": 2.0, "compile_s": 0.1}

@@ -56,7 +56,7 @@ def compiled_memory(experiment, candidate) -> dict:
     """{"argument_gb", "temp_gb", "compile_s", "involuntary_remat"} (GiB; whether XLA warned
     that it replicated a value it could not reshard) of the candidate's train step, or
     {"error"}. `candidate`: a ParallelPlan (its remat and attention overrides applied to the model)."""
-    from jaxtrain.cli.bench import bench_layout
+    from jaxtrain.planner.layout_bench import bench_layout
 
     with _captured_stderr() as log:
         try:
