@@ -15,7 +15,6 @@ cache. Prints one JSON line per variant: the median step time.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import time
@@ -65,7 +64,7 @@ def main() -> None:
     variants = {}
     for unrolled in (False, True):
         for blocks in (False, True):
-            cfg = dataclasses.replace(base, attention=BlockwiseAttention(decode_block=256 if blocks else args.max_len))
+            cfg = base.with_runtime(attention=BlockwiseAttention(decode_block=256 if blocks else args.max_len))
             name = f"{'unrolled' if unrolled else 'scan_switch'} x {'blocks' if blocks else 'whole'}"
             variants[name] = step_fn(cfg, unrolled)
 

@@ -60,7 +60,7 @@ class Planner:
         self.workload, self.group, self.links, self.platform = workload, group, links, platform
         self.headroom, self.margin, self.efficiency, self.host_gbps = headroom, margin, efficiency, host_gbps
         model = workload.model
-        self.profile: ModelProfile = profile_model(dataclasses.replace(model, remat="none"))
+        self.profile: ModelProfile = profile_model(model.with_runtime(remat="none"))
         self.tx, _ = make_optimizer(workload.optimizer or OptimizerConfig(), 1000, optimizer_roles(model))
         self.has_experts = any(k.top_k for k in self.profile.kinds)
         self.layers = len(self.profile.sequence)
