@@ -17,11 +17,13 @@ from flax import nnx
 
 from meshes.rules import constrain
 from meshes.context_attention import gather_sequence
+from meshes.weight_gather import cast_for_use
 from models.layers.attention_impl import AutoAttention
 from models.layers.decode_attention import decode_block, latent_decode
 from models.layers.decode_cache import LayerCache
 from models.layers.dense import Dense
 from models.layers.norm import RMSNorm
+from models.layers.params import logical_axes
 from models.layers.rope import YarnScaling, apply_rope_interleaved
 
 PER_HEAD = ("batch", "length", "heads", None)
@@ -110,7 +112,8 @@ class MultiHeadLatentAttention(nnx.Module):
         k_rope = gather_sequence(local_k_rope, ("batch", "length", None))[:, :, None, :]  # one for all heads
         up = self.kv_up
         if self.attention.takes_latent:  # up-projected a chunk at a time inside the attention
-            out = self.attention.latent(q, latent.astype(up.dtype), k_rope[:, :, 0, :], up.kernel[...].astype(up.dtype),
+            w_up = cast_for_use(up.kernel[...], logical_axes(up.kernel)[-3:], up.dtype)  # bf16 before any gather
+            out = self.attention.latent(q, latent.astype(up.dtype), k_rope[:, :, 0, :], w_up,
                                         segment_ids, nope=self.nope, scale=self.softmax_scale)
             return self.o(out), local_latent, local_k_rope
         whole = ("batch", None, "heads", None)  # the sequence whole: keys for every query of this rank
