@@ -3,9 +3,9 @@
 Regrouping the whole stage layout into canonical `[layers, ...]` stacks on the device held a
 second copy of the train state next to the first — more than a copy where a stack's layer
 count does not divide `pipeline` and the canonical stack is replicated over it (Nemotron-3-Nano
-pipeline=2: 2.9x the state per device). Here each canonical layer of one kind is taken from its
-stage by a small jitted program (every stacked leaf of that kind at once: one layer's slice of
-parameters and moments), copied to host memory and dropped from the device before the next. The
+pipeline=2: 4.7x the state per device, compile only). Here each canonical layer of each stacked
+leaf (a parameter or a moment) is taken from its stage by a small jitted program, copied to host
+memory and dropped from the device before the next. The
 host pieces are stacked per device into `pinned_host` arrays laid out like the canonical disk
 shardings, which Orbax writes as usual: the files are the canonical ones, whatever the layout.
 
@@ -75,7 +75,8 @@ class StreamedCanonical:
 
     def layer_program(self, kind, leaves, shardings):
         """The jitted program taking one canonical layer of `kind` from every given stage-layout
-        leaf: (leaves, stage, repeat, slot, layer) -> (rows, fingerprint sums)."""
+        leaf (saves call it with one leaf): (leaves, stage, repeat, slot, layer) -> (rows,
+        fingerprint sums)."""
         return self._program(kind, tuple(leaves), tuple(_row_sharding(s) for s in shardings))
 
     # -- one kind's stacks, layer by layer ----------------------------------------------------
@@ -83,19 +84,19 @@ class StreamedCanonical:
         """[(canonical host array, fingerprint sums)] for each stage-layout leaf of `kind`."""
         positions = self.layout.plan.canonical_positions(kind)
         layers = len(positions)
-        program = self.layer_program(kind, leaves, shardings)
+        programs = [self.layer_program(kind, [leaf], [sharding]) for leaf, sharding in zip(leaves, shardings)]
         pieces = [{} for _ in leaves]  # per leaf: {device: [host row shards, in layer order]}
         totals = [np.zeros(2, np.uint64) for _ in leaves]
         stage_dims = tuple(leaves[0].shape[:3])  # [stages, repeats, slots]
         for layer, position in enumerate(positions):
             where = [np.int32(i) for i in np.unravel_index(position, stage_dims)]
-            rows, sums = program(leaves, *where, np.int32(layer))
-            for leaf_pieces, row in zip(pieces, rows):
+            for program, leaf, leaf_pieces, total in zip(programs, leaves, pieces, totals):
+                # one leaf's layer at a time: on the device never more than that (and its gather)
+                (row,), (sums,) = program([leaf], *where, np.int32(layer))
                 for shard in row.addressable_shards:
                     leaf_pieces.setdefault(shard.device, []).append(np.asarray(shard.data))
-            for total, s in zip(totals, jax.device_get(sums)):
-                total += s.astype(np.uint64)
-            del rows
+                total += np.asarray(jax.device_get(sums)).astype(np.uint64)
+                del row
         built = []
         for leaf, sharding, leaf_pieces, total in zip(leaves, shardings, pieces, totals):
             shape = (layers,) + tuple(leaf.shape[3:])
@@ -112,13 +113,18 @@ class StreamedCanonical:
         if key not in self._programs:
             replicated = NamedSharding(self.mesh, PartitionSpec())
 
+            # each stage's candidate row stays on its stage (else XLA gathers the stack first)
+            per_stage_shardings = [NamedSharding(self.mesh, PartitionSpec(*(_spec(x, x.ndim)[:1] + _spec(x, x.ndim)[3:])))
+                                   for x in leaves]
+
             def rows_of(leaves, stage, repeat, slot, layer):
                 rows, sums = [], []
-                for x in leaves:
+                for x, per_stage_sharding in zip(leaves, per_stage_shardings):
                     # within every stage first (local), then the one stage's row: the gather
                     # across `pipeline` moves one layer per stage, never the stack
                     per_stage = jax.lax.dynamic_index_in_dim(
                         jax.lax.dynamic_index_in_dim(x, repeat, axis=1, keepdims=False), slot, axis=1, keepdims=False)
+                    per_stage = jax.lax.with_sharding_constraint(per_stage, per_stage_sharding)
                     row = jax.lax.dynamic_index_in_dim(per_stage, stage, axis=0, keepdims=False)
                     rows.append(row)
                     sums.append(offset_sums(row, layer))
@@ -131,3 +137,9 @@ class StreamedCanonical:
 def _row_sharding(sharding: NamedSharding) -> NamedSharding:
     """One layer of a canonical stack laid out as the stack is, less its `layers` dimension."""
     return NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]), memory_kind="device")
+
+
+def _spec(x, ndim: int) -> tuple:
+    """`x`'s partition spec, one entry per dimension."""
+    spec = tuple(x.sharding.spec)
+    return spec + (None,) * (ndim - len(spec))
