@@ -47,6 +47,10 @@ class CastWhereUsed:
     def gather_in_shard_map(self, w, axes_per_dim, dtype):
         return _all_gather_dims(w, axes_per_dim).astype(dtype)
 
+    def lookup(self, table, ids, dtype, names, mesh, rules):
+        from meshes.rules import constrain_param
+        return jnp.take(constrain_param(table, (names[0], None)), ids, axis=0).astype(dtype)
+
 
 @dataclasses.dataclass(frozen=True)
 class CastThenGather:
@@ -60,6 +64,14 @@ class CastThenGather:
         sharded = NamedSharding(mesh, spec_for(names, w.shape, rules.params, mesh))
         gathered = NamedSharding(mesh, spec_for(names, w.shape, gathered_table(rules.params), mesh))
         return _contract_cast_then_gather(x.astype(dtype), w, n_in, jnp.dtype(dtype), sharded, gathered)
+
+    def lookup(self, table, ids, dtype, names, mesh, rules):
+        if mesh is None or dtype is None or jnp.dtype(dtype) == table.dtype:
+            return CastWhereUsed().lookup(table, ids, dtype, names, mesh, rules)
+        from meshes.rules import spec_for
+        sharded = NamedSharding(mesh, spec_for(names, table.shape, rules.params, mesh))
+        rows_whole = NamedSharding(mesh, spec_for((names[0], None), table.shape, rules.params, mesh))
+        return _lookup_cast_then_gather(table, ids, jnp.dtype(dtype), sharded, rows_whole)
 
     def gather_in_shard_map(self, w, axes_per_dim, dtype):
         if not any(axes_per_dim) or dtype is None or jnp.dtype(dtype) == w.dtype:
@@ -127,6 +139,27 @@ def _contract_bwd(n_in, dtype, sharded, gathered, residuals, g):
 _contract_cast_then_gather.defvjp(_contract_fwd, _contract_bwd)
 
 
+# ---- an embedding lookup under SPMD ----------------------------------------------------------
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _lookup_cast_then_gather(table, ids, dtype, sharded, rows_whole):
+    return jnp.take(_pin(_pin(table.astype(dtype), sharded), rows_whole), ids, axis=0)
+
+
+def _lookup_fwd(table, ids, dtype, sharded, rows_whole):
+    return _lookup_cast_then_gather(table, ids, dtype, sharded, rows_whole), (ids, table.shape)
+
+
+def _lookup_bwd(dtype, sharded, rows_whole, residuals, g):
+    ids, shape = residuals
+    # rows summed into a float32 table (a bf16 scatter-add would round every token's addition)
+    rows = jnp.zeros(shape, jnp.float32).at[ids.reshape(-1)].add(g.reshape(-1, shape[1]).astype(jnp.float32))
+    return _pin(_pin(rows, rows_whole), sharded), None
+
+
+_lookup_cast_then_gather.defvjp(_lookup_fwd, _lookup_bwd)
+
+
 # ---- a weight gathered inside a shard_map --------------------------------------------------
 
 def _all_gather_dims(w, axes_per_dim):
@@ -175,6 +208,13 @@ def gather_axes(stored: PartitionSpec, compute: PartitionSpec, ndim: int):
 
 def strategy(rules) -> CastWhereUsed | CastThenGather:
     return WEIGHT_GATHERS[getattr(rules, "weight_gather", CastWhereUsed.name)] if rules is not None else CastWhereUsed()
+
+
+def lookup(table, ids, dtype, names: Sequence[str | None]):
+    """Rows `ids` of `table` in `dtype`, the table read whole along its second dim (Embed)."""
+    from meshes.rules import active_mesh, active_rules
+    rules = active_rules()
+    return strategy(rules).lookup(table, ids, dtype, tuple(names), active_mesh(), rules)
 
 
 def contract(x, w, n_in: int, dtype, names: Sequence[str | None]):

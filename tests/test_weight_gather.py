@@ -18,6 +18,7 @@ from meshes.mesh import MeshConfig, build_mesh
 from meshes.rules import get_rule_set, named_sharding, use_rules
 from models.deepseek import DeepSeekConfig
 from models.layers.dense import Dense
+from models.layers.embed import Embed
 from models.layers.expert_ffn import WEIGHT_AXES, GatedExperts
 from models.layers.moe import make_route_fn
 from models.layers.router import RouterConfig
@@ -100,6 +101,49 @@ def test_gradients_match_the_float32_gather(programs):
     for a, b in zip(jax.tree.leaves(grads["fsdp+gather_bf16"]), jax.tree.leaves(grads["fsdp"])):
         scale = np.abs(b).max()
         np.testing.assert_allclose(a, b, atol=2e-2 * scale)
+
+
+V = 256  # vocabulary of the embedding test
+
+
+@pytest.fixture(scope="module")
+def lookups():
+    """{rules: (compiled (rows, table gradient) program, partitioned HLO, args)} of a bf16 Embed."""
+    out = {}
+    for name in ("fsdp", "fsdp+gather_bf16"):
+        mesh, rules = build_mesh(MeshConfig(data=16)), get_rule_set(name)
+        embed = Embed(V, D, rngs=nnx.Rngs(params=jax.random.key(4)), init_std=0.3, dtype=jnp.bfloat16)
+        graphdef, state = nnx.split(embed)
+        tokens = jnp.asarray(np.random.default_rng(6).integers(0, V // 2, (16, 8)), jnp.int32)  # rows >= V/2 unseen
+        cot = jnp.asarray(np.random.default_rng(7).normal(size=(16, 8, D)), jnp.float32)
+
+        def rows_and_grad(table, tokens, cot):
+            def f(table):
+                state["table"] = state["table"].replace(value=table)
+                return nnx.merge(graphdef, state)(tokens)
+            with use_rules(mesh, rules):
+                rows, pull = jax.vjp(f, table)
+                return rows, pull(cot.astype(rows.dtype))[0]
+        table = jax.device_put(embed.table[...], named_sharding(mesh, ("vocab", "embed"), (V, D), rules.params))
+        args = (table, tokens, cot)
+        compiled, partitioned = compile_with_partitioned_hlo(jax.jit(rows_and_grad).lower(*args))
+        out[name] = (compiled, partitioned, args)
+    return out
+
+
+def test_embedding_lookup_gathers_bf16_and_sums_rows_in_float32(lookups):
+    table_collectives = lambda text: {(m.group("op"), m.group("dtype")) for m in _COLLECTIVE.finditer(text)
+                                      if tuple(int(d) for d in m.group("dims").split(",") if d) in {(V, D), (V, D // 16)}}
+    # the rows' gradient is scatter-added per shard after XLA gathers the (small) token gradients:
+    # no table-sized reduction on either side
+    assert table_collectives(lookups["fsdp+gather_bf16"][1]) == {("all-gather", "bf16")}
+    assert ("all-gather", "f32") in table_collectives(lookups["fsdp"][1])  # what the overlay halves
+    (rows, grad), (rows_ref, grad_ref) = (jax.device_get(c(*args)) for c, _, args in
+                                          (lookups["fsdp+gather_bf16"], lookups["fsdp"]))
+    assert_finite((rows, grad), "lookup")
+    np.testing.assert_array_equal(np.asarray(rows, np.float32), np.asarray(rows_ref, np.float32))
+    np.testing.assert_allclose(grad, grad_ref, rtol=1e-6, atol=1e-6)
+    assert grad.dtype == np.float32 and not np.abs(grad[V // 2:]).any()  # unseen rows get exactly zero
 
 
 DEEPSEEK = DeepSeekConfig(vocab_size=96, embed=32, layers=3, first_k_dense=1, heads=4, q_lora_rank=None,

@@ -1,11 +1,9 @@
 """Token embedding and the language-model head (tied to the embedding or not)."""
 from __future__ import annotations
 
-import jax.numpy as jnp
 from flax import nnx
 
-from meshes.rules import constrain_param
-from meshes.weight_gather import contract
+from meshes.weight_gather import contract, lookup
 from models.layers.params import normal, param
 
 
@@ -21,8 +19,8 @@ class Embed(nnx.Module):
         # without replicating them first ("involuntary full rematerialization", with
         # fsdp/zero1 under context or pipeline). Split over vocab only, the lookup is a masked
         # local gather summed over those axes.
-        table = constrain_param(self.table[...], ("vocab", None))
-        return jnp.take(table, tokens, axis=0).astype(self.dtype)
+        # (under `+gather_bf16` the bf16 copy is gathered: meshes/weight_gather.py)
+        return lookup(self.table[...], tokens, self.dtype, ("vocab", "embed"))
 
     def attend(self, x):
         """Logits against the embedding table (tied head)."""
