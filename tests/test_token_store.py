@@ -224,3 +224,31 @@ def test_reading_windows_maps_nothing_of_the_data(tmp_path, rng):
     assert [store.loss_mask(d).tolist() for d in range(len(docs))] == [m.tolist() for m in np.split(mask, splits)]
     mapped = open("/proc/self/maps").read()
     assert str(tmp_path) not in mapped, [line for line in mapped.splitlines() if str(tmp_path) in line]
+
+
+@pytest.mark.parametrize("preadv", [True, False], ids=["preadv", "seek_read"])
+def test_file_array_reads_what_numpy_wrote(tmp_path, rng, monkeypatch, preadv):
+    """FileArray against numpy's own view of the file: slices (clipped like numpy's), items from
+    either end, chunks, a pickled copy; with os.preadv and with the seek + read fallback."""
+    import pickle
+
+    from jaxtrain.data.store.file_array import FileArray
+
+    if not preadv:
+        monkeypatch.delattr("os.preadv", raising=False)
+    values = rng.integers(0, 2**31, size=int(rng.integers(50, 200))).astype(np.uint32)
+    path = tmp_path / "array.bin"
+    path.write_bytes(b"header!" + values.tobytes())
+    array = FileArray(path, np.uint32, len(values), offset=7)
+    for _ in range(20):
+        start, stop = sorted(rng.integers(-5, len(values) + 5, size=2).tolist())
+        np.testing.assert_array_equal(array[start:stop], values[start:stop])
+    assert array[0] == values[0] and array[-1] == values[-1] and array[len(values) // 2] == values[len(values) // 2]
+    with pytest.raises(IndexError):
+        array[len(values)]
+    np.testing.assert_array_equal(np.concatenate([c for _, c in array.chunks(7)]), values)
+    assert [s for s, _ in array.chunks(7)] == list(range(0, len(values), 7))
+    np.testing.assert_array_equal(pickle.loads(pickle.dumps(array))[3:40], values[3:40])
+    short = FileArray(path, np.uint32, len(values) + 1, offset=7)  # a file shorter than it claims
+    with pytest.raises(OSError, match="truncated"):
+        short[len(values) - 2:]

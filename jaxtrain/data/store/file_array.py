@@ -12,6 +12,7 @@ shared file position) and an array pickles as its path (a worker process reopens
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 
@@ -23,6 +24,7 @@ class FileArray:
     def __init__(self, path: str | os.PathLike, dtype, count: int, offset: int = 0):
         self.path, self.dtype, self.count, self.offset = str(path), np.dtype(dtype), int(count), int(offset)
         self._file = None
+        self._lock = threading.Lock()  # opening once; seek + read where os.preadv is missing (Windows)
 
     def __len__(self) -> int:
         return self.count
@@ -31,10 +33,16 @@ class FileArray:
     def shape(self) -> tuple[int]:
         return (self.count,)
 
-    def _fd(self) -> int:
+    def _read_at(self, view: memoryview, at: int) -> int:
         if self._file is None:
-            self._file = open(self.path, "rb", buffering=0)
-        return self._file.fileno()
+            with self._lock:
+                if self._file is None:
+                    self._file = open(self.path, "rb", buffering=0)
+        if hasattr(os, "preadv"):
+            return os.preadv(self._file.fileno(), [view], at)
+        with self._lock:  # a shared file position: one reader at a time
+            self._file.seek(at)
+            return self._file.readinto(view)
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Items [start, stop) (clipped to the array)."""
@@ -43,8 +51,8 @@ class FileArray:
         view, at = memoryview(out).cast("B"), self.offset + start * self.dtype.itemsize
         done = 0
         while done < len(view):
-            got = os.preadv(self._fd(), [view[done:]], at + done)
-            if got <= 0:
+            got = self._read_at(view[done:], at + done)
+            if not got:
                 raise OSError(f"{self.path}: ended at byte {at + done}, expected {at + len(view)} (truncated?)")
             done += got
         return out
@@ -66,4 +74,7 @@ class FileArray:
             yield start, self.read(start, start + size)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_file": None}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_file", "_lock")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _file=None, _lock=threading.Lock())
