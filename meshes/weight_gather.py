@@ -12,9 +12,14 @@ which dtype the weight gradient is reduced:
                    is cast on its sharded layout, then gathered (bf16 on the wire), and its
                    gradient leaves its matmul in float32 and is reduce-scattered in float32.
 
-Two places use it: `contract` (a dense layer's matmul under SPMD) and `gather_in_shard_map`
-(a weight entering a shard_map sharded, e.g. routed experts in meshes/experts.py, where each
-device's gradient is still its own unreduced contribution, so the bwd reduce-scatters it).
+Where weights are used: `contract` (a dense layer's matmul under SPMD: Dense, the LM head),
+`lookup` (the embedding table), `gather_in_shard_map` (a weight entering a shard_map sharded,
+e.g. routed experts in meshes/experts.py, where each device's gradient is still its own
+unreduced contribution, so the bwd reduce-scatters it) and `cast_for_use` (MLA's up-projection,
+gathered by the latent attention itself).
+
+Read collective dtypes on the partitioned program (jaxtrain/observe/hlo_stats.py
+`compile_with_partitioned_hlo`): XLA:CPU widens every bf16 collective to float32 afterwards.
 """
 from __future__ import annotations
 
