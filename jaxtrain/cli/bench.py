@@ -112,15 +112,15 @@ def main(argv=None) -> int:
         plans = [ParallelPlan().with_spec(spec) for spec in args.layout]
     except ValueError as e:
         fail(str(e))
+    sized = [p.device_count() for p in plans if p.mesh.sizes() != ParallelPlan().mesh.sizes()]
+    if sized:  # the largest mesh a layout names (the others: the config's own mesh sizes the devices)
+        simulate_cpu_devices(max(sized))
     start(args)
 
     import jax
 
     from jaxtrain.training.config import load_experiment
 
-    sized = [p.device_count() for p in plans if p.mesh.sizes() != ParallelPlan().mesh.sizes()]
-    if sized:  # the largest mesh a layout names (the others: the config's own mesh sizes the devices)
-        simulate_cpu_devices(max(sized))
     try:
         base = load_experiment()
     except ValueError as e:
