@@ -165,5 +165,7 @@ def unknown_key(key: str) -> str:
 def markdown_table() -> str:
     """The README's table of layout keys."""
     rows = ["| key | values | meaning |", "|---|---|---|"]
-    rows += [f"| `{k.name}` | `{k.values}` | {k.doc} |" for k in KEYS]
+    for k in KEYS:
+        values = k.values.replace("|", "\\|")  # a cell ends at any unescaped pipe, inside backticks too
+        rows.append(f"| `{k.name}` | `{values}` | {k.doc} |")
     return "\n".join(rows)
