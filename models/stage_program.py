@@ -4,8 +4,9 @@ A *kind* is the path of a `LayerStack` in the parameter tree: `("stacks", "moe_b
 plain stack, `("stacks", "blocks", "moe")` for one kind of a `PatternStack`. Every layer of the
 model is (kind, index within its kind), in the order the model applies them.
 
-A stage runs its slots (meshes/pipeline_split.py) as runs of one kind, each a masked scan over
-that kind's stacked parameters, so the program is the same on every stage.
+A stage runs its slots (meshes/pipeline_split.py) as one masked scan with a switch on each
+slot's kind (models/layers/layer_scan.py), so the program is the same on every stage and
+compiles one layer of each kind.
 """
 from __future__ import annotations
 
@@ -13,8 +14,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshes.rules import constrain_param
+from meshes.tree_paths import path_keys
+from models.layers.layer_scan import scan_layers
 from models.layers.moe import MoEBlock
-from models.layers.stack import REMAT_POLICIES, LayerStack
+from models.layers.params import LOGICAL_AXES
+from models.layers.pattern_stack import pattern_slots, read_indices
+from models.layers.stack import LayerStack
 
 
 def layer_stacks(model) -> dict[tuple, LayerStack]:
@@ -62,23 +68,39 @@ STAGE_REMAT = ("none", "layer", "stage")
 
 
 class StageProgram:
-    """One stage's forward for one tick: its slots of every kind, in pattern order.
+    """One stage's forward for one tick: its slots, in the order of the stage's slot pattern, as
+    one scan over the slots with a switch on each slot's kind (models/layers/layer_scan.py), so
+    the program compiles one layer of each kind however the kinds alternate. A padding slot's
+    output is discarded (x passes through) and its aux is zero.
 
-    With several passes (interleaved schedule) a layer's weights for the current pass are
-    sliced inside the layer, under `jax.checkpoint` with at least the `dots` policy: the
-    backward slices them again instead of keeping a copy of the stage's weights for every tick
-    (the full stacks are loop-invariant, so autodiff keeps them once).
+    Each step slices its slot's layer of every kind out of the stage's weights (with several
+    passes of the interleaved schedule, of the current pass), each weight kept in its parameter
+    sharding, inside the step's `jax.checkpoint`, whose policy never saves the slices
+    (layer_scan.step_policy): the backward slices them again instead of keeping a copy of the
+    stage's weights for every slot and tick (the stage's stacks are loop-invariant, so autodiff
+    keeps them once). A stage of one kind in one pass scans its weights as the scan's input.
     """
 
-    def __init__(self, model, runs, passes: int, remat: str = "none"):
-        """`remat`: one of STAGE_REMAT (checked with the config by PipelineConfig.validate)."""
+    def __init__(self, model, pattern, passes: int, remat: str = "none"):
+        """pattern: the stage's slot pattern, one kind per slot (StagePlan.pattern); `remat`:
+        one of STAGE_REMAT (checked with the config by PipelineConfig.validate)."""
         stacks = layer_stacks(model)
-        self.graphdefs = {k: nnx.graphdef(s.layers) for k, s in stacks.items()}
-        self.layer_remat = {}
-        for kind, stack in stacks.items():
-            policy = ("full" if stack.remat == "none" else stack.remat) if remat == "layer" else stack.remat
-            self.layer_remat[kind] = "dots" if passes > 1 and policy == "none" else policy
-        self.runs, self.passes, self.remat = runs, passes, remat
+        self.kinds = tuple(dict.fromkeys(pattern))
+        unknown = [k for k in self.kinds if k not in stacks]
+        if unknown:
+            raise ValueError(f"stage slot pattern names kinds {unknown} the model does not have: {list(stacks)}")
+        self.graphdefs = [nnx.graphdef(stacks[k].layers) for k in self.kinds]
+        self.names = [_layer_names(stacks[k]) for k in self.kinds]
+        self.slots = pattern_slots(pattern)
+        self.passes, self.remat = passes, remat
+        self.layer_remat = self._layer_remat({stacks[k].remat for k in self.kinds})
+
+    def _layer_remat(self, policies: set) -> str:
+        if len(policies) > 1:
+            raise ValueError(f"a pipeline stage runs its layers under one remat policy, but the model's "
+                             f"stacks have {sorted(policies)}")
+        policy = policies.pop()
+        return "full" if self.remat == "layer" and policy == "none" else policy
 
     def __call__(self, params: dict, valid: dict, repeat, x, positions, segment_ids):
         """params[kind]: the stage's layer state, leaves [passes, slots, ...]; valid[kind]: bool
@@ -88,33 +110,41 @@ class StageProgram:
 
     def _apply(self, params, valid, repeat, x, positions, segment_ids):
         if self.passes == 1:  # a static index: no copy of the weights at all
-            params, repeat = jax.tree.map(lambda a: a[0], params), None
-        pieces = {kind: [] for kind in params}
-        for kind, start, length in self.runs:
-            x, aux = _masked_scan(self.graphdefs[kind], params[kind], valid[kind], repeat, start, length, x,
-                                  (positions, segment_ids), self.layer_remat[kind])
-            pieces[kind].append(aux)
-        return x, {k: jax.tree.map(lambda *a: jnp.concatenate(a), *p) for k, p in pieces.items()}
+            params, valid, repeat = jax.tree.map(lambda a: a[0], params), jax.tree.map(lambda a: a[0], valid), None
+        else:
+            valid = jax.tree.map(lambda a: a[repeat], valid)
+        stacks = [params[k] for k in self.kinds]
+        layers = [lambda carry, weights, g=g: nnx.merge(g, weights)(carry, positions, segment_ids)
+                  for g in self.graphdefs]
+        # each slot's own validity, in slot order (static gathers of the per-kind masks)
+        keep = jnp.stack([valid[kind][index] for kind, index in self.slots])
+        kind_ids = [self.kinds.index(kind) for kind, _ in self.slots]
+        if len(self.kinds) == 1 and repeat is None:  # the scan slices the weights as its input
+            x, (aux,) = scan_layers(layers, x, stacks[0], keep=keep, remat=self.layer_remat)
+            return x, {self.kinds[0]: aux}
+        weights_at = lambda read: tuple(_layer_of(s, repeat, read[k], names)
+                                        for k, (s, names) in enumerate(zip(stacks, self.names)))
+        x, per_kind = scan_layers(layers, x, read_indices(self.slots, self.kinds), weights_at,
+                                  kind_ids=kind_ids, keep=keep, remat=self.layer_remat)
+        return x, dict(zip(self.kinds, per_kind))
 
 
-def _masked_scan(graphdef, params, valid, repeat, start: int, length: int, x, args, remat: str):
-    """Slots start..start+length of one kind by `lax.scan`; `params` leaves [slots, ...], or
-    [passes, slots, ...] with `repeat` the pass. A padding slot's output is discarded (x passes
-    through) and its aux is zero, so neither result nor gradient depends on it."""
-    slots = start + jnp.arange(length)
-    if repeat is None:  # scanned as xs (measured: XLA's temp memory does not grow with the tick count)
-        xs = (jax.tree.map(lambda a: jax.lax.slice_in_dim(a, start, start + length), params), slots)
-        weights = lambda w, slot: w
-    else:  # sliced inside the (rematerialized) layer
-        xs = (None, slots)
-        weights = lambda w, slot: jax.tree.map(lambda a: a[repeat, slot], params)
+def _layer_names(stack: LayerStack) -> dict:
+    """{path of a weight within one layer: its logical names} (the stack's, less `layers`)."""
+    names = {}
+    for path, variable in nnx.to_flat_state(nnx.state(stack.layers)):
+        axes = variable.get_metadata().get(LOGICAL_AXES)
+        names[tuple(path)] = tuple(axes)[1:] if axes is not None else None
+    return names
 
-    def layer(carry, inputs):
-        w, slot = inputs
-        y, aux = nnx.merge(graphdef, weights(w, slot))(carry, *args)
-        ok = valid[repeat if repeat is not None else 0, slot]
-        return jnp.where(ok, y, carry), jax.tree.map(lambda a: jnp.where(ok, a, jnp.zeros_like(a)), aux)
 
-    if remat != "none":
-        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    return jax.lax.scan(layer, x, xs)
+def _layer_of(stack, repeat, index, names: dict):
+    """Layer `index` (traced) of a stage's stacked weights (in pass `repeat` when not None), each
+    weight kept in its parameter sharding, as PatternStack's `layer_of` does: unconstrained, XLA
+    may gather FSDP-sharded weights outside the switch instead of in the branch that uses them."""
+    def one(path, a):
+        w = a[repeat, index] if repeat is not None else jax.lax.dynamic_index_in_dim(a, index, keepdims=False)
+        axes = names.get(path_keys(path))
+        return constrain_param(w, axes) if axes is not None else w
+
+    return jax.tree_util.tree_map_with_path(one, stack)

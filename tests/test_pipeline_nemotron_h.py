@@ -1,5 +1,6 @@
 """Nemotron-H (tiny, 8 layers of all four kinds: mamba, moe, attention, mlp) pipelined over 4
-stages x 2 passes, and over 2 GPipe stages with the sequence split over context x tensor: each
+stages x 2 passes, over 2 GPipe stages with the sequence split over context x tensor, and over
+2 GPipe stages split unevenly (5 / 3 layers) with every layer recomputed: each
 stage runs one common slot pattern of kinds, padding the slots its own layers do not fill, and
 holds only its layers; training equals the unpipelined model on one device."""
 import dataclasses
@@ -34,6 +35,10 @@ CASES = {
     # computed split; mamba scans and attention over a sequence split across context x tensor
     "pipeline2_gpipe_dp_sp_context2_data2_tensor2": (MeshConfig(pipeline=2, data=2, context=2, tensor=2), "dp_sp",
                                                      PipelineConfig()),
+    # an uneven split: 5 / 3 layers on 6 slots (1 padding slot on stage 0, 3 on stage 1), every
+    # layer recomputed
+    "pipeline2_uneven_5_3_layer_remat_fsdp_data2_tensor4": (
+        MeshConfig(pipeline=2, data=2, tensor=4), "fsdp", PipelineConfig(stages_layers=(5, 3), remat="layer")),
 }
 
 

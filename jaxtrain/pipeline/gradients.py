@@ -41,7 +41,7 @@ class PipelinedGradients:
         model = nnx.merge(self.graphdef, params)
         mbs = split_microbatches(to_device_order(batch), self.microbatches)
         x = constrain(jax.vmap(model.embed_inputs)(mbs["inputs"]), (None,) + RESIDUAL)
-        program = StageProgram(model, plan.runs(), plan.repeats, self.remat)
+        program = StageProgram(model, plan.pattern, plan.repeats, self.remat)
         stage_params = {kind: _subtree(params, kind + ("layers",)) for kind in plan.kinds}
         valid = {kind: jnp.asarray(plan.valid(kind)) for kind in plan.kinds}
         final, aux = run_pipeline(lambda p, repeat, h, pos, seg: program(*p, repeat, h, pos, seg),

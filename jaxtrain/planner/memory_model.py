@@ -103,24 +103,24 @@ class MemoryEstimate:
         return self.arguments + self.temp
 
 
-def saved_activations(profile: ModelProfile, policy: str, shape: TokenShape, switch: bool = True,
+def saved_activations(profile: ModelProfile, policy: str, shape: TokenShape, pipelined: bool = False,
                       extra: dict | None = None) -> tuple[float, float]:
     """(device, host) bytes of the residuals every layer keeps for the backward pass, plus
-    `extra` bytes per layer of a kind. A pattern stack (a switch over kinds, `switch`) keeps
-    what every kind of it would save, per layer, unless only the layer input is kept (`full`);
-    a pipeline stage runs each kind's slots as a scan of their own (models/stage_program.py):
-    no switch, each layer keeps its own kind's."""
+    `extra` bytes per layer of a kind. A switch over kinds (models/layers/layer_scan.py) keeps
+    what every kind in it would save, per layer, unless only the layer input is kept (`full`):
+    a pattern stack switches over its kinds; a pipeline stage (`pipelined`) over all the
+    model's kinds (models/stage_program.py)."""
     extra = extra or {}
     device_policy = "full" if policy == "offload_dots" else policy
     per_kind = {k.kind: k.bytes(device_policy, shape) for k in profile.kinds}
     host_kind = {k.kind: k.bytes("dots_no_batch", shape) if policy == "offload_dots" else 0.0
                  for k in profile.kinds}
-    pattern_kinds = [k.kind for k in profile.kinds if k.in_pattern]
+    switched = [k.kind for k in profile.kinds if k.in_pattern or pipelined]
+    switched = switched if len(switched) > 1 else []
     device = host = 0.0
     for path in profile.sequence:
-        kind = profile.kind(path)
-        if kind.in_pattern and switch and device_policy != "full":
-            device += sum(per_kind[p] + extra.get(p, 0.0) for p in pattern_kinds)
+        if path in switched and device_policy != "full":
+            device += sum(per_kind[p] + extra.get(p, 0.0) for p in switched)
         else:
             device += per_kind[path] + extra.get(path, 0.0)
         host += host_kind[path]
@@ -239,7 +239,7 @@ def estimate_memory(profile: ModelProfile, state: StateBytes, *, policy: str, si
                    for k in profile.kinds}
     kept_exchange = {k.kind: exchange_saved(k, kind_leaves[k.kind], sizes, working, profile, platform, policy)
                      for k in profile.kinds}
-    saved, host_saved = saved_activations(profile, policy, shape, switch=sizes["pipeline"] == 1, extra=kept_exchange)
+    saved, host_saved = saved_activations(profile, policy, shape, pipelined=sizes["pipeline"] > 1, extra=kept_exchange)
     if sizes["pipeline"] > 1:
         # A stage keeps its slots' activations for every tick it has a microbatch in flight.
         in_flight = pipeline_work * pipeline_ticks / (sizes["pipeline"] * pipeline_passes)

@@ -2,12 +2,13 @@
 
 All layers of one kind are one `LayerStack` (stacked on a leading `layers` axis, so the
 parameter tree is `<kind>/layers/...` whatever the pattern). The pattern runs as one `lax.scan`
-over its layers: each step slices its layer of every kind out of the stacks (a dynamic index:
-one layer of each kind copied per step) and `lax.switch`es on the step's kind, so XLA compiles
-one layer of each kind whatever the depth, and the stack's remat policy bounds what the backward
-pass keeps. Under autodiff a switch keeps the residuals of every branch (zeros for the kinds
-that did not run): with remat `full` that is only the layer's input per layer; with `none` or
-`dots` each layer keeps what every kind would save.
+over its layers (models/layers/layer_scan.py, the loop every stack runs): each step slices its
+layer of every kind out of the stacks (a dynamic index: one layer of each kind copied per step)
+and `lax.switch`es on the step's kind, so XLA compiles one layer of each kind whatever the depth,
+and the stack's remat policy bounds what the backward pass keeps. Under autodiff a switch keeps
+the residuals of every branch (zeros for the kinds that did not run): with remat `full` that is
+only the layer's input per layer; with `none` or `dots` each layer keeps what every kind would
+save (never the weights the step sliced: layer_scan.step_policy).
 
 Bookkeeping is explicit so pipeline stages can take contiguous pieces of the pattern:
 `slots[j] = (kind, index of layer j within its kind)`.
@@ -18,14 +19,14 @@ from collections import Counter
 from typing import Callable, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from meshes.rules import constrain_param
 from models.layers.decode_cache import LayerCache
+from models.layers.layer_scan import scan_layers
 from models.layers.params import LOGICAL_AXES
-from models.layers.stack import REMAT_POLICIES, LayerStack
+from models.layers.stack import LayerStack
 
 _RESERVED = frozenset({"pattern", "kinds", "slots", "remat"})
 
@@ -95,36 +96,14 @@ class PatternStack(nnx.Module):
     def __call__(self, x, positions, segment_ids):
         split = [nnx.split(self.stack(kind).layers) for kind in self.kinds]
         graphdefs, stacks = [g for g, _ in split], tuple(s for _, s in split)
-        args = (positions, segment_ids)
-
-        def run(k, carry, weights):
-            return nnx.merge(graphdefs[k], weights)(carry, *args)
-
-        one_layer = lambda stack: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stack)
-        aux_shapes = [jax.eval_shape(lambda c, w, k=k: run(k, c, w)[1], x, one_layer(s)) for k, s in enumerate(stacks)]
-
-        def branch(k):
-            # Every branch returns every kind's aux (zeros for the kinds it is not), as a switch must.
-            def apply(carry, weights):
-                y, aux = run(k, carry, weights[k])
-                zeros = [jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape) for shape in aux_shapes]
-                return y, tuple(aux if j == k else zeros[j] for j in range(len(stacks)))
-            return apply
-
-        branches = [branch(k) for k in range(len(stacks))]
-
-        def step(carry, inputs):
-            kind, read = inputs
-            weights = tuple(layer_of(s, read[k]) for k, s in enumerate(stacks))
-            return jax.lax.switch(kind, branches, carry, weights)
-
-        if self.remat != "none":
-            step = jax.checkpoint(step, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-        kind_ids = np.asarray([self.kinds.index(kind) for kind, _ in self.slots], np.int32)
-        x, per_layer = jax.lax.scan(step, x, (kind_ids, read_indices(self.slots, self.kinds)))
-        # Each kind's aux: its own layers' rows, in pattern order.
-        rows = {kind: np.flatnonzero(kind_ids == k) for k, kind in enumerate(self.kinds)}
-        return x, {kind: jax.tree.map(lambda a: a[rows[kind]], per_layer[k]) for k, kind in enumerate(self.kinds)}
+        layers = [lambda carry, weights, g=g: nnx.merge(g, weights)(carry, positions, segment_ids)
+                  for g in graphdefs]
+        # each step slices its layer of every kind (the other kinds' slices go unused)
+        weights_at = lambda read: tuple(layer_of(s, read[k]) for k, s in enumerate(stacks))
+        kind_ids = [self.kinds.index(kind) for kind, _ in self.slots]
+        x, per_kind = scan_layers(layers, x, read_indices(self.slots, self.kinds), weights_at,
+                                  kind_ids=kind_ids, remat=self.remat)
+        return x, dict(zip(self.kinds, per_kind))  # each kind's aux: its own layers' rows, in pattern order
 
     # Generation (models/layers/decode_cache.py): {kind: that kind's caches, stacked on its own
     # layers axis}. Prefill threads them through the pattern's scan: each step slices one layer of

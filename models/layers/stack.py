@@ -13,17 +13,9 @@ from flax import nnx
 
 from models.layers.aux_outputs import apply_after_update
 from models.layers.decode_cache import LayerCache
+# REMAT_POLICIES is imported from here by the other stacks, planner and tests
+from models.layers.layer_scan import REMAT_POLICIES, check_remat, scan_layers  # noqa: F401
 from models.layers.params import LOGICAL_AXES
-
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # as dots_no_batch, but the saved matmul outputs wait for the backward pass in host memory
-    # (activation offload: device memory of recomputation, without its FLOPs)
-    "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
-}
 
 
 def _prepend_layers_axis(variable: nnx.Variable) -> nnx.Variable:
@@ -38,9 +30,7 @@ class LayerStack(nnx.Module):
                  rngs: nnx.Rngs, remat: str = "none"):
         if num_layers < 1:
             raise ValueError(f"a layer stack needs at least one layer, got {num_layers}")
-        if remat not in REMAT_POLICIES:
-            raise ValueError(f"unknown remat policy {remat!r}; choose one of {sorted(REMAT_POLICIES)}")
-        self.num_layers, self.remat = num_layers, remat
+        self.num_layers, self.remat = num_layers, check_remat(remat)
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: make_layer(nnx.Rngs(0))))
         keys = jax.random.split(rngs.params(), num_layers)
         state = jax.vmap(lambda key: nnx.state(make_layer(nnx.Rngs(params=key))))(keys)
@@ -49,13 +39,9 @@ class LayerStack(nnx.Module):
 
     def __call__(self, x, *args):
         graphdef, state = nnx.split(self.layers)
-
-        def one_layer(carry, layer_state):
-            return nnx.merge(graphdef, layer_state)(carry, *args)
-
-        if self.remat != "none":
-            one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-        x, aux = jax.lax.scan(one_layer, x, state)
+        layer = lambda carry, weights: nnx.merge(graphdef, weights)(carry, *args)
+        # the scan slices each layer's weights as its input
+        x, (aux,) = scan_layers([layer], x, state, remat=self.remat)
         return x, aux  # aux: each leaf stacked per layer
 
     # Generation (models/layers/decode_cache.py): prefill slices each layer's cache out of the stacked
