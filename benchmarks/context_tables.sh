@@ -26,13 +26,13 @@ $PY -m jaxtrain.bench step --gin_file=configs/deepseek_v2_lite.gin --gin_param=D
 
 echo "== DeepSeek-V2-Lite (MoE, full size), 1M tokens, 64 devices"
 $PY -m jaxtrain.bench step --gin_file=configs/deepseek_v2_lite.gin --gin_param=TrainConfig.global_batch=1 \
-  --gin_param=TrainConfig.seq_len=1048576 --gin_param=TrainConfig.loss_chunk=4096 --compile_only \
+  --gin_param=TrainConfig.seq_len=1048576 --gin_param=LossConfig.loss_chunk=4096 --compile_only \
   --layout context=32,tensor=2,rules=fsdp+experts_folded,attention=blockwise \
   --layout context=16,tensor=4,rules=fsdp+experts_folded,attention=blockwise 2>&1 | quiet
 
 echo "== DeepSeek-V2-Lite attention shape (27 layers made dense), 1M tokens, 64 devices"
 $PY -m jaxtrain.bench step --gin_file=configs/deepseek_v2_lite.gin --gin_param=DeepSeekConfig.first_k_dense=27 \
-  --gin_param=TrainConfig.global_batch=1 --gin_param=TrainConfig.seq_len=1048576 --gin_param=TrainConfig.loss_chunk=4096 \
+  --gin_param=TrainConfig.global_batch=1 --gin_param=TrainConfig.seq_len=1048576 --gin_param=LossConfig.loss_chunk=4096 \
   --compile_only --layout context=32,tensor=2,rules=fsdp,attention=blockwise \
   --layout context=16,tensor=4,rules=fsdp,attention=blockwise --layout context=64,rules=fsdp,attention=blockwise 2>&1 | quiet
 

@@ -134,16 +134,16 @@ if ((DRY)); then
   DENSE_TINY=(--gin_param=LlamaConfig.layers=2 --gin_param=LlamaConfig.embed=64 --gin_param=LlamaConfig.heads=4
               --gin_param=LlamaConfig.kv_heads=2 --gin_param=LlamaConfig.mlp=128 --gin_param=LlamaConfig.vocab_size=512
               --gin_param=TrainConfig.global_batch=4 --gin_param=TrainConfig.seq_len=128
-              --gin_param=TrainConfig.loss_chunk=64)
+              --gin_param=LossConfig.loss_chunk=64)
   MOE_TINY=(--gin_param=DeepSeekConfig.layers=2 --gin_param=DeepSeekConfig.embed=64 --gin_param=DeepSeekConfig.heads=2
             --gin_param=DeepSeekConfig.kv_lora_rank=32 --gin_param=DeepSeekConfig.qk_nope_head_dim=16
             --gin_param=DeepSeekConfig.qk_rope_head_dim=8 --gin_param=DeepSeekConfig.v_head_dim=16
             --gin_param=DeepSeekConfig.mlp=128 --gin_param=DeepSeekConfig.expert_mlp=32
             --gin_param=DeepSeekConfig.vocab_size=512 --gin_param=RouterConfig.num_experts=4
             --gin_param=RouterConfig.top_k=2 --gin_param=TrainConfig.global_batch=2
-            --gin_param=TrainConfig.seq_len=128 --gin_param=TrainConfig.loss_chunk=64
+            --gin_param=TrainConfig.seq_len=128 --gin_param=LossConfig.loss_chunk=64
             '--gin_param=DeepSeekConfig.kernels="pallas"')  # interpreted: the GPU's kernel path
-  LONG_TINY=("${DENSE_TINY[@]:0:6}" --gin_param=TrainConfig.loss_chunk=64)
+  LONG_TINY=("${DENSE_TINY[@]:0:6}" --gin_param=LossConfig.loss_chunk=64)
   PALLAS_ATTENTION=pallas_interpret LONG_SEQ=256 STEPS=2 LONG_STEPS=2
 fi
 stage train_dense TERM 6 "$PY" -m jaxtrain.bench step --gin_file=configs/gpu_dense_4k.gin --steps "$STEPS" \

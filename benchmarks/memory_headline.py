@@ -88,7 +88,7 @@ def main(argv=None) -> int:
             exp = load_experiment()
             gin.clear_config()
             t = exp.train
-            planner = Planner(Workload(exp.model, t.global_batch, t.seq_len, t.loss_chunk, exp.optimizer), group,
+            planner = Planner(Workload(exp.model, t.global_batch, t.seq_len, exp.loss.loss_chunk, exp.optimizer), group,
                               LinkTable(group.spec.intra_node_gbps, group.spec.inter_node_gbps))
             plan = ParallelPlan.from_experiment(exp).with_spec(spec)
             result = bench_layout(exp, plan, steps=0, compile_only=True, devices=jax.devices()[:n])

@@ -34,6 +34,7 @@ from jaxtrain.training.config import TrainConfig
 from jaxtrain.training.device_groups import DeviceGroups
 from jaxtrain.training.optim import OptimizerConfig
 from jaxtrain.training.parallel_plan import ParallelPlan
+from jaxtrain.training.run_configs import LossConfig
 from jaxtrain.training.state import TrainState
 from jaxtrain.training.step import BATCH_KEYS
 from jaxtrain.training.train_setup import TrainSetup, build_train_setup
@@ -47,11 +48,13 @@ class Run:
     @classmethod
     def create(cls, model, plan: ParallelPlan | str = "", *, train: TrainConfig = TrainConfig(),
                optimizer: OptimizerConfig = OptimizerConfig(), devices=None, seed: int = 0,
-               params: dict | None = None, groups: DeviceGroups | None = None) -> "Run":
+               params: dict | None = None, groups: DeviceGroups | None = None,
+               loss: LossConfig | None = None) -> "Run":
         """A run of `model` (a model config) laid out by `plan` (a ParallelPlan or spec string;
         "" puts every device on `data`; a mesh of fixed sizes takes the first devices it needs). `params`: canonical parameters to start from (host
         or device arrays, e.g. from `hf.load`); otherwise initialized from `seed`. `train`
-        gives the batch shape, the loss settings and the learning-rate schedule's length.
+        gives the batch shape and the learning-rate schedule's length, `loss` the loss settings
+        (z-loss, chunk; default LossConfig()).
         `groups`: data parallelism over device groups with uneven batch shares, each group laid
         out by `plan` (whose `microbatches` then counts the microbatches of all groups);
         `devices` may then list each group's devices."""
@@ -61,7 +64,7 @@ class Run:
         sizes = plan.mesh.sizes().values()
         if devices is None and -1 not in sizes and groups is None:  # a fixed mesh takes the first devices it needs
             devices = jax.devices()[:plan.mesh.fixed_device_count()]
-        setup = build_train_setup(model, plan, train, optimizer, devices, groups=groups)
+        setup = build_train_setup(model, plan, train, optimizer, devices, groups=groups, loss=loss)
         state = setup.state.init(seed) if params is None else setup.state_from_params(params)
         return cls(setup, state, train)
 

@@ -26,7 +26,7 @@ def temp_gib(model, context: int, length: int) -> float:
     """Per-device temp of one train step on 16 devices: `context` x data, one row per data rank."""
     data = 16 // context
     exp = Experiment(model=model, mesh=MeshConfig(context=context, data=data),
-                     train=TrainConfig(global_batch=data, seq_len=length, loss_chunk=1024),
+                     train=TrainConfig(global_batch=data, seq_len=length),
                      optimizer=OptimizerConfig(), pipeline=PipelineConfig(), data=DataConfig())
     return bench_layout(exp, ParallelPlan.from_experiment(exp), steps=0, compile_only=True)["temp_gb"]
 

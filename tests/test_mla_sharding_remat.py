@@ -36,7 +36,7 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("spec", LAYOUTS)
 def test_mla_layout_compiles_without_involuntary_rematerialization(spec, capfd):
-    exp = Experiment(model=MODEL, mesh=MeshConfig(), train=TrainConfig(global_batch=16, seq_len=32, loss_chunk=32),
+    exp = Experiment(model=MODEL, mesh=MeshConfig(), train=TrainConfig(global_batch=16, seq_len=32),
                      optimizer=OptimizerConfig(), pipeline=PipelineConfig(), data=DataConfig())
     capfd.readouterr()  # only this compile's log
     result = bench_layout(exp, ParallelPlan.from_experiment(exp).with_spec(spec), steps=0, compile_only=True)

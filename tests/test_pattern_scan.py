@@ -12,6 +12,7 @@ from flax import nnx
 
 from helpers import TINY_OPT, TINY_TRAIN, assert_trees_close, initial_params, random_packed_batch, train_losses
 from jaxtrain.training.optim import make_optimizer
+from jaxtrain.training.run_configs import LossConfig
 from jaxtrain.training.state import state_shardings
 from jaxtrain.training.step import AccumulatedGradients, batch_shardings
 from meshes.mesh import MeshConfig, build_mesh
@@ -47,7 +48,7 @@ def gradients(model, mesh_cfg, devices, params):
     tx, _ = make_optimizer(TINY_OPT, TINY_TRAIN.steps)
     graphdef, _, shardings = state_shardings(model, tx, mesh, rules)
     bsh = batch_shardings(mesh, rules, TINY_TRAIN.global_batch, TINY_TRAIN.seq_len)
-    grad_fn = AccumulatedGradients(graphdef, microbatches=1, loss_chunk=TINY_TRAIN.loss_chunk, z_loss=0.0)
+    grad_fn = AccumulatedGradients(graphdef, microbatches=1, loss_chunk=LossConfig().loss_chunk, z_loss=0.0)
 
     def run(params, batch):
         with use_rules(mesh, rules):

@@ -54,7 +54,7 @@ def _experiment(name: str):
 
 def _planner(exp) -> Planner:
     t = exp.train
-    return Planner(Workload(exp.model, t.global_batch, t.seq_len, t.loss_chunk, exp.optimizer), H100_X16,
+    return Planner(Workload(exp.model, t.global_batch, t.seq_len, exp.loss.loss_chunk, exp.optimizer), H100_X16,
                    LinkTable(H100_X16.spec.intra_node_gbps, H100_X16.spec.inter_node_gbps))
 
 

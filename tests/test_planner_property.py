@@ -36,7 +36,8 @@ from models.nemotron_h import NemotronHConfig
 
 SEED = 2212
 GIB = 2 ** 30
-TRAIN = TrainConfig(global_batch=16, seq_len=4096, loss_chunk=1024)
+TRAIN = TrainConfig(global_batch=16, seq_len=4096)
+LOSS_CHUNK = 1024  # LossConfig's default, which the compiled runs use
 H100_X16 = Cluster.from_args(cluster=None, device="H100", devices=16).groups[0]
 FAMILIES = ("llama", "deepseek_moe", "deepseek_dense", "nemotron_moe")
 
@@ -67,7 +68,7 @@ def draw_model(rng):
 def drawn_layouts(model, rng, picks: int):
     """(planner, evaluations): the planner's first layout for `model` on 16 H100s and
     `picks - 1` more drawn from its top 40 (remat none or full: the two ends of the policies)."""
-    planner = Planner(Workload(model, TRAIN.global_batch, TRAIN.seq_len, TRAIN.loss_chunk), H100_X16,
+    planner = Planner(Workload(model, TRAIN.global_batch, TRAIN.seq_len, LOSS_CHUNK), H100_X16,
                       LinkTable(H100_X16.spec.intra_node_gbps, H100_X16.spec.inter_node_gbps))
     ranked = planner.rank(candidates(16, devices_per_node=8, layers=planner.layers, seq_len=TRAIN.seq_len,
                                      global_batch=TRAIN.global_batch, has_experts=planner.has_experts,
@@ -164,7 +165,7 @@ def test_the_issues_moe_pipeline_without_remat():
     finally:
         gin.clear_config()
     t = exp.train
-    planner = Planner(Workload(exp.model, t.global_batch, t.seq_len, t.loss_chunk, exp.optimizer), H100_X16,
+    planner = Planner(Workload(exp.model, t.global_batch, t.seq_len, exp.loss.loss_chunk, exp.optimizer), H100_X16,
                       LinkTable(H100_X16.spec.intra_node_gbps, H100_X16.spec.inter_node_gbps))
     candidate = exp.plan.with_spec("pipeline=2,data=8,rules=zero1+experts_folded,microbatches=4,remat=none")
     predicted = planner.memory(candidate, planner.state(candidate), CPU)
@@ -182,8 +183,8 @@ def _draw_6_at(global_batch: int, layout: str, remat: str) -> tuple[float, dict]
     from jaxtrain.training.parallel_plan import ParallelPlan
 
     model = draw_model(np.random.default_rng(SEED + 6))
-    train = TrainConfig(global_batch=global_batch, seq_len=TRAIN.seq_len, loss_chunk=TRAIN.loss_chunk)
-    planner = Planner(Workload(model, train.global_batch, train.seq_len, train.loss_chunk), H100_X16,
+    train = TrainConfig(global_batch=global_batch, seq_len=TRAIN.seq_len)
+    planner = Planner(Workload(model, train.global_batch, train.seq_len, LOSS_CHUNK), H100_X16,
                       LinkTable(H100_X16.spec.intra_node_gbps, H100_X16.spec.inter_node_gbps))
     candidate = ParallelPlan.parse(layout).with_spec(f"remat={remat}")
     predicted = planner.memory(candidate, planner.state(candidate), CPU)

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     unknown = [r for r in remats if r not in REMAT_POLICIES]
     if unknown:
         fail(f"--remat {args.remat!r}: unknown {unknown}; choose from {', '.join(REMAT_POLICIES)}")
-    workload = Workload(exp.model, train.global_batch, train.seq_len, train.loss_chunk, exp.optimizer)
+    workload = Workload(exp.model, train.global_batch, train.seq_len, exp.loss.loss_chunk, exp.optimizer)
 
     group = cluster.groups[0]
     links = LinkTable(group.spec.intra_node_gbps, group.spec.inter_node_gbps, cluster.inter_group_gbps)

@@ -1,7 +1,7 @@
 """Pipeline parallelism, one idea: the layer stacks cut into stages over the `pipeline` axis,
 microbatches flowing through them in one SPMD program.
 
-Entry point: `build_pipeline(model_cfg, plan, tx, mesh, rules, train)` (below), which the one
+Entry point: `build_pipeline(model_cfg, plan, tx, mesh, rules, loss)` (below), which the one
 assembly function (jaxtrain/training/train_setup.py) calls when the mesh has pipeline > 1. It
 returns the two strategies a pipelined run swaps in, with the interfaces of the unpipelined
 ones:
@@ -25,13 +25,13 @@ from jaxtrain.pipeline.gradients import PipelinedGradients
 from jaxtrain.pipeline.staged_state import StagedState
 
 
-def build_pipeline(model_cfg, plan, tx, mesh, rules, train) -> tuple[StagedState, PipelinedGradients, str]:
+def build_pipeline(model_cfg, plan, tx, mesh, rules, loss) -> tuple[StagedState, PipelinedGradients, str]:
     """(state layout, gradient strategy, a one-line summary for the log) of a pipelined run of
-    `plan` (a ParallelPlan, validated) with `train`'s loss settings."""
+    `plan` (a ParallelPlan, validated) with `loss`'s settings (a LossConfig)."""
     stages, pipeline = mesh.shape["pipeline"], plan.pipeline
     state = StagedState(model_cfg, tx, mesh, rules, pipeline.plan(model_cfg, stages))
     gradients = PipelinedGradients(state.graphdef, state.layout, pipeline.schedule, remat=pipeline.remat,
-                                   microbatches=plan.microbatches, loss_chunk=train.loss_chunk, z_loss=train.z_loss)
+                                   microbatches=plan.microbatches, loss_chunk=loss.loss_chunk, z_loss=loss.z_loss)
     stage_plan = state.layout.plan
     padding = {"/".join(k[1:]): p for k, p in stage_plan.padding().items() if any(p)}
     summary = (f"pipeline {type(pipeline.schedule).__name__}, {stages} stages x {stage_plan.repeats} passes, "

@@ -23,7 +23,7 @@ def bench_layout(exp, plan, *, steps: int, compile_only: bool, max_replicated: f
     from jaxtrain.training.train_setup import build_train_setup
 
     t = exp.train
-    setup = build_train_setup(exp.model, plan, t, exp.optimizer, devices)
+    setup = build_train_setup(exp.model, plan, t, exp.optimizer, devices, loss=exp.loss)
     abstract, step = setup.state.abstract, setup.train_step
     abstract_batch = setup.abstract_batch(t.global_batch, t.seq_len)
     audit = audit_sharding(setup.state.abstract.params, name="params")

@@ -14,7 +14,7 @@ from jaxtrain.training.mesh_configurable import GinMeshConfig
 from jaxtrain.training.optim import OptimizerConfig
 from jaxtrain.training.moved_bindings import apply_moved, split_moved
 from jaxtrain.training.parallel_plan import ParallelPlan
-from jaxtrain.training.run_configs import RUN_CONFIGS, CheckpointConfig, ObserveConfig, ResilienceConfig
+from jaxtrain.training.run_configs import RUN_CONFIGS, CheckpointConfig, LossConfig, ObserveConfig, ResilienceConfig
 from jaxtrain.pipeline.config import PipelineConfig
 from meshes.context_settings import ContextParallel
 from meshes.mesh_config import MeshConfig
@@ -31,7 +31,7 @@ GinDeviceGroups = gin.external_configurable(DeviceGroups, name="DeviceGroups", m
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """The run's shape and what one step computes. Checkpointing, resilience and observability
+    """The run's shape and layout. The loss settings, checkpointing, resilience and observability
     have their own configurables (jaxtrain/training/run_configs.py)."""
     steps: int = 100
     global_batch: int = 8
@@ -41,8 +41,6 @@ class TrainConfig:
     microbatches: int = 1  # gradient accumulation steps per optimizer step
     seed: int = 0
     rules: str = "dp"  # rule table in meshes/rules.py: dp | zero1 | fsdp | dp_sp | fsdp_sp
-    z_loss: float = 0.0
-    loss_chunk: int = 1024  # tokens of sequence per chunk in the chunked cross-entropy
     # The sequence over the `context` axis: layout (LoadBalanced | Contiguous) and how ranks see
     # each other's keys (RingKV | AllGatherKV); meshes/context_layout.py.
     context_parallel: ContextParallel = ContextParallel()
@@ -52,7 +50,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         check_config_types(self)
-        for name in ("steps", "global_batch", "seq_len", "microbatches", "loss_chunk"):
+        for name in ("steps", "global_batch", "seq_len", "microbatches"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TrainConfig.{name} must be positive, got {getattr(self, name)}")
 
@@ -60,13 +58,13 @@ class TrainConfig:
 @gin.configurable("TrainConfig", module="jaxtrain")
 def gin_train_config(**bindings) -> TrainConfig:
     """TrainConfig as gin builds it: also accepts the bindings of fields that moved to
-    CheckpointConfig / ResilienceConfig / ObserveConfig (saved config.gin files)."""
+    LossConfig / CheckpointConfig / ResilienceConfig / ObserveConfig (saved config.gin files)."""
     own, moved = split_moved(bindings)
     fields = [f.name for f in dataclasses.fields(TrainConfig) if f.name != "moved_bindings"]
     unknown = sorted(set(own) - set(fields))
     if unknown:
         raise ValueError(f"TrainConfig has no field {unknown[0]!r} (its fields: {', '.join(fields)}; see also "
-                         f"CheckpointConfig, ResilienceConfig, ObserveConfig)")
+                         f"LossConfig, CheckpointConfig, ResilienceConfig, ObserveConfig)")
     return TrainConfig(**own, moved_bindings=moved)
 
 
@@ -87,6 +85,7 @@ class Experiment:
     groups: DeviceGroups | None = None
     # The run's settings by concern (jaxtrain/training/run_configs.py); unbound: their gin
     # bindings and defaults.
+    loss: LossConfig | None = None
     checkpoint: CheckpointConfig | None = None
     resilience: ResilienceConfig | None = None
     observe: ObserveConfig | None = None

@@ -1,7 +1,7 @@
-"""TrainConfig fields that moved to CheckpointConfig, ResilienceConfig and ObserveConfig
+"""TrainConfig fields that moved to LossConfig, CheckpointConfig, ResilienceConfig and ObserveConfig
 (jaxtrain/training/run_configs.py). A saved config.gin or an older config binding one of them
-(`TrainConfig.checkpoint_every = 5`) still loads: the value goes to its new home and one warning
-line names the new bindings."""
+(`TrainConfig.checkpoint_every = 5`, `TrainConfig.loss_chunk = 16`) still loads: the value goes to
+its new home and one warning line names the new bindings."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,5 +1,6 @@
 """The run's settings beside its shape (TrainConfig), one configurable per concern:
 
+    LossConfig         what the loss adds and how it is chunked (models/loss.py)
     CheckpointConfig   when to save, how many steps to keep, and how to resume
     ResilienceConfig   peers, hangs and non-finite steps (jaxtrain/resilience/)
     ObserveConfig      logs, evals, samples, MFU, profiles and the sharding audit at start
@@ -24,6 +25,18 @@ def _check_positive(config, names, strictly: bool = True) -> None:
         if not (value > 0 if strictly else value >= 0):
             raise ValueError(f"{type(config).__name__}.{name} must be {'positive' if strictly else '>= 0'}, "
                              f"got {value}")
+
+
+@gin.configurable(module="jaxtrain")
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    z_loss: float = 0.0  # weight of the log-partition² penalty added to the loss
+    loss_chunk: int = 1024  # tokens of sequence per chunk in the chunked cross-entropy
+
+    def validate(self) -> None:
+        check_config_types(self)
+        _check_positive(self, ("loss_chunk",))
+        _check_positive(self, ("z_loss",), strictly=False)
 
 
 @gin.configurable(module="jaxtrain")
@@ -111,4 +124,4 @@ class ObserveConfig:
             raise ValueError(f"ObserveConfig.max_replicated must be a fraction in [0, 1], got {self.max_replicated}")
 
 
-RUN_CONFIGS = {"checkpoint": CheckpointConfig, "resilience": ResilienceConfig, "observe": ObserveConfig}
+RUN_CONFIGS = {"loss": LossConfig, "checkpoint": CheckpointConfig, "resilience": ResilienceConfig, "observe": ObserveConfig}

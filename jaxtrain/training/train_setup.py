@@ -21,6 +21,7 @@ from jaxtrain.training.device_groups import BatchShares, DeviceGroups, GroupLayo
 from jaxtrain.training.group_step import GroupedEvalStep, GroupedTrainStep, group_gradients
 from jaxtrain.training.optim import OptimizerConfig, make_optimizer
 from jaxtrain.training.parallel_plan import ParallelPlan
+from jaxtrain.training.run_configs import LossConfig
 from jaxtrain.training.state import TrainState, optimizer_roles
 from jaxtrain.training.state_layouts import CanonicalState
 from jaxtrain.training.step import BATCH_KEYS, AccumulatedGradients, batch_shardings, make_eval_step, make_train_step
@@ -154,29 +155,32 @@ def _device_arrays(host: dict, shardings: dict) -> dict:
 
 
 def build_train_setup(model_cfg, plan: ParallelPlan, train, optimizer: OptimizerConfig,
-                      devices=None, groups: DeviceGroups | None = None) -> TrainSetup:
+                      devices=None, groups: DeviceGroups | None = None, loss: LossConfig | None = None) -> TrainSetup:
     """Validates the plan against the model and batch (before anything is compiled), then
-    builds the run's parts. `train`: a TrainConfig (steps, batch, sequence, loss settings).
+    builds the run's parts. `train`: a TrainConfig (steps, batch, sequence); `loss`: the loss
+    settings (default: LossConfig() as gin binds it, its defaults when unbound).
     `groups` (default: the plan's `groups`): data parallelism over device groups with uneven
     shares of the batch (each group laid out by `plan`; `devices` then a flat list or one list per
     group). The variant is chosen here, once: a GroupedTrainSetup brings its own steps and batch
     strategy, so its callers never branch on it."""
     model_cfg = plan.apply_to_model(model_cfg)  # the plan's remat / attention overrides
+    loss = loss if loss is not None else LossConfig()
+    loss.validate()
     if groups is None or not groups.rows:
         groups = plan.device_groups()
     if groups is not None:
-        return _build_grouped_train_setup(model_cfg, plan, train, optimizer, devices, groups)
+        return _build_grouped_train_setup(model_cfg, plan, train, optimizer, devices, groups, loss)
     mesh = build_mesh(plan.mesh, devices)
     plan.validate(model_cfg, global_batch=train.global_batch, seq_len=train.seq_len, mesh_shape=dict(mesh.shape),
                   platform=mesh.devices.flat[0].platform)
     rules = plan.rule_set()
     tx, lr_schedule = make_optimizer(optimizer, train.steps, optimizer_roles(model_cfg))
     if mesh.shape["pipeline"] > 1:
-        state, gradients, summary = build_pipeline(model_cfg, plan, tx, mesh, rules, train)
+        state, gradients, summary = build_pipeline(model_cfg, plan, tx, mesh, rules, loss)
     else:
         state = CanonicalState(model_cfg, tx, mesh, rules)
-        gradients = AccumulatedGradients(state.graphdef, microbatches=plan.microbatches, loss_chunk=train.loss_chunk,
-                                         z_loss=train.z_loss)
+        gradients = AccumulatedGradients(state.graphdef, microbatches=plan.microbatches, loss_chunk=loss.loss_chunk,
+                                         z_loss=loss.z_loss)
         summary = ""
     bsh = batch_shardings(mesh, rules, train.global_batch, train.seq_len)
     cp = plan.context_parallel
@@ -188,7 +192,7 @@ def build_train_setup(model_cfg, plan: ParallelPlan, train, optimizer: Optimizer
 
 
 def _build_grouped_train_setup(model_cfg, plan: ParallelPlan, train, optimizer: OptimizerConfig, devices,
-                               groups: DeviceGroups) -> GroupedTrainSetup:
+                               groups: DeviceGroups, loss: LossConfig) -> GroupedTrainSetup:
     shares = groups.shares(train.global_batch, plan.microbatches)
     devices = jax.devices() if devices is None else devices
     layout = GroupLayout(plan.mesh, split_devices(devices, len(shares.rows), plan.mesh))
@@ -201,7 +205,7 @@ def _build_grouped_train_setup(model_cfg, plan: ParallelPlan, train, optimizer: 
     rules = plan.rule_set()
     tx, lr_schedule = make_optimizer(optimizer, train.steps, optimizer_roles(model_cfg))
     state = CanonicalState(model_cfg, tx, layout.mesh, rules)
-    gradients = group_gradients(shares, state.graphdef, loss_chunk=train.loss_chunk, z_loss=train.z_loss)
+    gradients = group_gradients(shares, state.graphdef, loss_chunk=loss.loss_chunk, z_loss=loss.z_loss)
     bsh = {g: batch_shardings(mesh, rules, rows, train.seq_len) for g, (mesh, rows) in
            enumerate(zip(layout.meshes, shares.rows))}
     cp = plan.context_parallel

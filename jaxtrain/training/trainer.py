@@ -71,7 +71,8 @@ class Trainer:
         t = exp.train
         check_vocabulary(exp)  # the Trainer feeds corpus tokens (the bench feeds ids below the vocabulary)
         self.plan = exp.plan
-        setup = build_train_setup(exp.model, self.plan, t, exp.optimizer, devices)  # (device groups: the plan's)
+        # (device groups: the plan's)
+        setup = build_train_setup(exp.model, self.plan, t, exp.optimizer, devices, loss=exp.loss)
         self.setup, self.mesh, self.rules, self.tx = setup, setup.mesh, setup.rules, setup.tx
         self.sharding_audit = audit_params(setup, exp.observe.max_replicated)  # before anything is compiled
         # The rows of each global batch this process reads (the setup's batch strategy: its own
