@@ -12,6 +12,7 @@ import gin
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from helpers import TINY_LLAMA, assert_finite, assert_trees_close, random_packed_batch
 from jaxtrain.api import Run
@@ -19,8 +20,9 @@ from jaxtrain.cli import eval as eval_cli
 from jaxtrain.cli.launch import DEFAULT_GIN
 from jaxtrain.data.packing import make_train_iterator, tokenize_text_stream
 from jaxtrain.data.tokenizer import load_tokenizer
+from jaxtrain.generate.loading import load_workdir
 from jaxtrain.training.config import TrainConfig, load_experiment, parse_gin
-from jaxtrain.training.device_groups import DeviceGroups
+from jaxtrain.training.device_groups import DeviceGroups, one_mesh_program
 from jaxtrain.training.parallel_plan import ParallelPlan
 from models.deepseek import DeepSeekConfig
 from models.layers.router import RouterConfig
@@ -187,3 +189,34 @@ def test_row_shares_are_the_microbatches_of_one_program():
     np.testing.assert_array_equal(first.T, [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14]])
     np.testing.assert_array_equal(shares.row_indices(1), [3, 7, 11, 15])
     assert dataclasses.replace(SHARES, rows=(16,)).shares(16, 4).row_indices(0).tolist() == list(range(16))
+
+
+def test_one_mesh_program_is_the_first_groups_program_and_generation_loads_a_grouped_run(tmp_path):
+    """Eval and generation compile one program on one mesh: a plan over device groups gives its
+    groups' own layout on the first group's devices (one_mesh_program; the callers never branch on
+    the variant), any other plan itself. Generation's load_workdir restores a grouped run's
+    checkpoint onto that program: the saved parameters, on devices 0-3, no `groups` axis."""
+    plan = ParallelPlan.parse("data=4,microbatches=4")
+    grouped = dataclasses.replace(plan, groups=SHARES.rows)
+    devices = jax.devices()
+    assert one_mesh_program(grouped) == (plan, devices[:4])
+    assert one_mesh_program(grouped, [devices[4:8], devices[:4]]) == (plan, devices[4:8])  # groups as given
+    assert one_mesh_program(plan) == (plan, devices[:4])  # a fixed mesh: the first devices it needs
+    fill = ParallelPlan.parse("data=-1")
+    assert one_mesh_program(fill, devices[:8]) == (fill, devices[:8])
+
+    run = Run.create(TINY_LLAMA, grouped, train=TRAIN, optimizer=PIPELINE_OPT, params=initial_params(TINY_LLAMA, 1),
+                     devices=devices[:8])
+    run.save(str(tmp_path / "checkpoints"))
+    model = dataclasses.asdict(TINY_LLAMA)
+    gin.clear_config()
+    try:
+        parse_gin([DEFAULT_GIN], [*(f"LlamaConfig.{k}={model[k]!r}" for k in ("vocab_size", "embed", "layers", "heads",
+                                                                            "kv_heads", "mlp")),
+                                  "TrainConfig.global_batch=16", "TrainConfig.seq_len=16",
+                                  "Experiment.layout='data=4,microbatches=4'", "DeviceGroups.rows=(12, 4)"])
+        loaded = load_workdir(str(tmp_path))
+    finally:
+        gin.clear_config()
+    assert list(loaded.mesh.devices.flat) == devices[:4] and "groups" not in loaded.mesh.axis_names
+    assert_trees_close(jax.device_get(nnx.to_pure_dict(nnx.state(loaded.model))), jax.device_get(run.params), rtol=0)

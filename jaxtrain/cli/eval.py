@@ -75,26 +75,21 @@ def main(argv=None) -> int:
 
     import dataclasses
 
-    import jax
-
     from jaxtrain.training.config import load_experiment
     from jaxtrain.data.packing import tokenize_text_stream
     from jaxtrain.data.tokenizer import load_tokenizer
-    from jaxtrain.training.device_groups import split_devices
+    from jaxtrain.training.device_groups import one_mesh_program
     from jaxtrain.training.train_setup import build_train_setup
 
     try:
         exp = load_experiment()
         seq_len = args.seq_len or exp.train.seq_len
         batch_size = args.batch_size or exp.train.global_batch
-        plan = dataclasses.replace(exp.plan, groups=())
-        devices = None
-        if exp.plan.groups:  # a run over device groups: its first group's layout
-            devices = split_devices(jax.devices(), len(exp.plan.groups), plan.mesh)[0]
+        plan, devices = one_mesh_program(exp.plan)  # device groups: one group's program
         # The run's own layout, sized for the eval windows (checked here, before any restore).
         setup = build_train_setup(exp.model, plan,
                                   dataclasses.replace(exp.train, seq_len=seq_len, global_batch=batch_size),
-                                  exp.optimizer, devices)
+                                  exp.optimizer, devices, loss=exp.loss)
         tokenizer = load_tokenizer(exp.data.tokenizer)
         stream = tokenize_text_stream(args.data, tokenizer)
     except (ValueError, FileNotFoundError) as e:

@@ -83,13 +83,12 @@ def load_workdir(workdir: str) -> Loaded:
     from jaxtrain.cli.eval import restore_latest_params
     from jaxtrain.data.tokenizer import load_tokenizer
     from jaxtrain.training.config import load_experiment
-    from jaxtrain.training.parallel_plan import ParallelPlan
+    from jaxtrain.training.device_groups import one_mesh_program
     from jaxtrain.training.train_setup import build_train_setup
 
     exp = load_experiment()
-    plan = ParallelPlan.from_experiment(exp)
-    devices = jax.devices()[:plan.mesh.fixed_device_count()] if -1 not in plan.mesh.sizes().values() else None
-    setup = build_train_setup(exp.model, plan, exp.train, exp.optimizer, devices)
+    plan, devices = one_mesh_program(exp.plan)  # device groups: one group's program
+    setup = build_train_setup(exp.model, plan, exp.train, exp.optimizer, devices, loss=exp.loss)
     _, params = restore_latest_params(setup, workdir, exp.checkpoint.allow_unverified_restore)
     tokenizer = load_tokenizer(exp.data.tokenizer) if exp.data.tokenizer else None
     return Loaded(canonical_model(exp.model, params), setup.mesh, setup.rules, tokenizer, None)

@@ -118,6 +118,20 @@ def split_devices(devices, count: int, mesh_config: MeshConfig) -> list[list]:
     return groups
 
 
+def one_mesh_program(plan, devices=None) -> tuple:
+    """(plan, devices) of the one program on one mesh that evaluates or generates from a run of
+    `plan` (a ParallelPlan). A run over device groups holds the same state on every group, so that
+    is the groups' own layout on the first group's devices; any other run's is its own plan, on
+    the first devices a fixed-size mesh needs (all of them when an axis fills). `devices`: default
+    jax.devices(). Callers compile what this returns and never branch on the variant."""
+    devices = list(jax.devices() if devices is None else devices)
+    if plan.groups:
+        return dataclasses.replace(plan, groups=()), split_devices(devices, len(plan.groups), plan.mesh)[0]
+    if -1 not in plan.mesh.sizes().values():
+        devices = devices[:plan.mesh.fixed_device_count()]
+    return plan, devices
+
+
 class GroupLayout:
     """The groups' meshes and the global mesh over all of them; moving arrays between the two
     without copies."""
