@@ -20,7 +20,7 @@ from models.layers.pattern_stack import layer_of, pattern_slots, read_indices
 from models.stage_program import StageProgram, layer_sequence, layer_stacks
 from test_nemotron_h import TINY_NEMOTRON_H
 
-pytestmark = [pytest.mark.fast]
+pytestmark = [pytest.mark.slow]  # compiles a tiny hybrid model's stage
 
 D = 6
 
