@@ -12,6 +12,8 @@ from jaxtrain.training.config import TrainConfig
 from meshes.mesh import MeshConfig
 from pipeline_helpers import PIPELINE_OPT, initial_params
 
+pytestmark = [pytest.mark.slow]
+
 TRAIN = TrainConfig(steps=4, global_batch=8, seq_len=16)
 MODEL = dataclasses.replace(TINY_LLAMA, layers=4)
 

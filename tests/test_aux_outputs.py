@@ -1,5 +1,6 @@
 """Typed layer outputs: the generic loss, metrics and post-update walk find them by type, and
 the MoE statistics' metrics equal a direct numpy computation."""
+import pytest
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +8,8 @@ from flax import nnx, struct
 
 from models.layers.aux_outputs import AuxOutput, apply_after_update, aux_metrics, has_after_update, total_aux_loss
 from models.layers.moe import RoutingStats
+
+pytestmark = [pytest.mark.fast]
 
 
 @struct.dataclass

@@ -16,6 +16,8 @@ from meshes.mesh import MeshConfig, build_mesh
 from ports import reserved_port
 from processes import child_env
 
+pytestmark = [pytest.mark.fast]
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH = MeshConfig(data=4, tensor=4)
 
@@ -101,6 +103,7 @@ def _bench(args, **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
+@pytest.mark.end_to_end
 def test_cli_table_json_and_plot_on_16_devices(tmp_path):
     proc = _bench(["--mesh", "data=4,tensor=4", "--sizes", "4k,64k", "--iters", "2", "--repeats", "1",
                    "--json", str(tmp_path / "rows.jsonl"), "--png", str(tmp_path / "busbw.png")])
@@ -114,6 +117,8 @@ def test_cli_table_json_and_plot_on_16_devices(tmp_path):
     assert (tmp_path / "busbw.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.multiprocess
+@pytest.mark.end_to_end
 def test_cli_across_two_processes(tmp_path):
     with reserved_port() as port:
         procs = [_bench(["--mesh", "data=4", "--ops", "all_reduce,all_gather", "--sizes", "4k", "--iters", "2",

@@ -1,5 +1,6 @@
 """`python -m jaxtrain.bench step --layout ...`: each layout runs on the devices its own mesh names
 (the first N of the process), whatever mesh the config itself asks for."""
+import pytest
 import json
 import os
 
@@ -8,6 +9,8 @@ import jax
 
 from jaxtrain.cli import bench
 from jaxtrain.training.parallel_plan import ParallelPlan
+
+pytestmark = [pytest.mark.slow]
 
 # configs/default.gin (its own mesh: data=4 x tensor=2), shrunk so a step compiles in seconds
 TINY = ["LlamaConfig.embed=32", "LlamaConfig.layers=1", "LlamaConfig.heads=2", "LlamaConfig.kv_heads=1",

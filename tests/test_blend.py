@@ -17,6 +17,8 @@ from jaxtrain.data.store.memory_source import MemorySource
 from jaxtrain.data.store.training_sources import parse_blend
 from jaxtrain.data.store.windows import WindowIndex
 
+pytestmark = [pytest.mark.fast]
+
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "source_ids")
 
 

@@ -15,6 +15,8 @@ from jaxtrain.training.run_configs import CheckpointConfig, ObserveConfig
 from jaxtrain.training.trainer import Trainer
 from meshes.mesh import MeshConfig
 
+pytestmark = [pytest.mark.slow]
+
 STEPS, BATCH, SEQ = 4, 16, 32
 
 

@@ -21,6 +21,8 @@ from jaxtrain.checkpoints.compatibility import describe_differences, moved_leave
 from jaxtrain.checkpoints.fingerprint import BlockFingerprint, tree_fingerprints
 from jaxtrain.training.optim import OptimizerConfig, make_optimizer
 
+pytestmark = [pytest.mark.slow]
+
 MESH = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 
 

@@ -11,6 +11,8 @@ import pytest
 from jaxtrain.cli import train
 from processes import child_env
 
+pytestmark = [pytest.mark.slow, pytest.mark.end_to_end]
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [  # keep compiles small; the default config's own size is exercised by `make train`
     "--gin_param=LlamaConfig.embed=32", "--gin_param=LlamaConfig.layers=2", "--gin_param=LlamaConfig.mlp=64",

@@ -16,6 +16,8 @@ from meshes.rules import get_rule_set, use_rules
 from models.layers.mamba2 import Mamba2Mixer, SSMConfig
 from pallas_kernels.gpu_lowering import GPU_DEVICE_KINDS, count_triton_kernels
 
+pytestmark = [pytest.mark.slow]
+
 EMBED = 16
 # chunk_size 16: the Pallas scan's smallest, so the Pallas case shares the XLA reference. Context
 # chunks of 8, 16 and 32 tokens then hold a padded, one or two scan chunks.

@@ -15,6 +15,8 @@ from models.layers.mamba2 import SSMConfig
 from models.llama import LlamaConfig
 from models.mamba2 import Mamba2Config
 
+pytestmark = [pytest.mark.slow]
+
 MODELS = {
     "llama": LlamaConfig(vocab_size=96, embed=64, layers=2, heads=4, kv_heads=2, mlp=128),
     "mamba2": Mamba2Config(vocab_size=96, embed=64, layers=2,

@@ -20,6 +20,8 @@ from models.mamba2 import Mamba2Config
 from test_deepseek import TINY_DEEPSEEK
 from test_nemotron_h import TINY_NEMOTRON_H
 
+pytestmark = [pytest.mark.slow]
+
 # 32 tokens: 2 x context chunks of 4-16 tokens, so the 1-3 documents of a row cross chunk edges.
 TRAIN = with_train(seq_len=32)
 LLAMA = dataclasses.replace(TINY_LLAMA, kv_heads=2)  # GQA: two query heads per kv head

@@ -21,6 +21,8 @@ from meshes.mesh import MeshConfig, build_mesh
 from meshes.rules import get_rule_set, use_rules
 from pallas_kernels.flash_attention import flash_attention
 
+pytestmark = [pytest.mark.fast]
+
 QUICK = {"xla_backend_optimization_level": 0}
 SCALE = 0.3
 CONTEXT = 4

@@ -22,6 +22,8 @@ from jaxtrain.training.optim import OptimizerConfig
 from jaxtrain.training.trainer import Trainer
 from meshes.mesh import MeshConfig
 
+pytestmark = [pytest.mark.slow]
+
 SEQ_LEN, BATCH = 16, 4
 
 

@@ -13,6 +13,8 @@ from meshes.mesh import MeshConfig, build_mesh
 
 from data_reference import FIELDS, reference_windows
 
+pytestmark = [pytest.mark.fast]
+
 WORDS = ["the", "a", "ball", "Emma", "said", "quiet", "café", "naïve", "中文", "🙂", "x", "—", "?"]
 
 

@@ -10,6 +10,8 @@ import pytest
 
 from jaxtrain.cli import train
 
+pytestmark = [pytest.mark.slow]
+
 TINY = ["--gin_param=LlamaConfig.embed=32", "--gin_param=LlamaConfig.layers=2", "--gin_param=LlamaConfig.mlp=64",
         "--gin_param=LlamaConfig.heads=4", "--gin_param=LlamaConfig.kv_heads=2", "--gin_param=MeshConfig.data=8",
         "--gin_param=TrainConfig.seq_len=32", "--gin_param=ObserveConfig.eval_batches=1"]

@@ -15,6 +15,8 @@ from jaxtrain.data.store.windows import WindowIndex
 
 from data_reference import FIELDS, reference_windows
 
+pytestmark = [pytest.mark.fast]
+
 
 @pytest.fixture
 def rng():

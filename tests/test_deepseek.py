@@ -10,6 +10,8 @@ from meshes.mesh import MeshConfig
 from models.deepseek import DeepSeekConfig
 from models.layers.router import RouterConfig
 
+pytestmark = [pytest.mark.slow]
+
 TINY_DEEPSEEK = DeepSeekConfig(
     vocab_size=96, embed=32, layers=3, first_k_dense=1, heads=4, kv_lora_rank=16, qk_nope_head_dim=8,
     qk_rope_head_dim=4, v_head_dim=8, mlp=64, expert_mlp=16, shared_experts=2,

@@ -30,6 +30,8 @@ from pipeline_helpers import PIPELINE_OPT, initial_params
 from ports import reserved_port
 from processes import start_train_processes, wait_for
 
+pytestmark = [pytest.mark.slow]
+
 TRAIN = TrainConfig(steps=4, global_batch=16, seq_len=16)
 SHARES = DeviceGroups(rows=(12, 4))
 # One MoE layer after a dense one; the correction bias makes the update use the summed routing
@@ -107,6 +109,8 @@ TWO_PROCESS_BINDINGS = [
     "Experiment.layout='data=4,microbatches=4'", "DeviceGroups.rows=(12, 4)"]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.end_to_end
 def test_one_group_per_process_trains_as_one_process(tmp_path, capsys):
     """The CLI in two processes of 4 devices (gin DeviceGroups.rows: process 0's group takes 12 rows,
     process 1's 4) against one process running the plain plan on the same corpus batches: the

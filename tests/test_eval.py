@@ -13,6 +13,8 @@ from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.data.sliding_window import sliding_windows
 from jaxtrain.training.train_setup import build_train_setup
 
+pytestmark = [pytest.mark.slow]
+
 
 @pytest.mark.parametrize("n, seq_len, stride", [(50, 16, 8), (17, 16, 16), (5, 16, 4), (40, 8, 3)])
 def test_each_target_scored_once_with_enough_context(n, seq_len, stride):

@@ -1,6 +1,7 @@
 """The ragged expert exchange (GPU only: XLA:CPU has no ragged_all_to_all): its offsets are
 checked by simulating the collective's semantics in numpy, and the whole expert-parallel MoE
 is cross-lowered for CUDA to check it emits ragged collectives."""
+import pytest
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +15,8 @@ from meshes.rules import get_rule_set, use_rules
 from models.layers.expert_ffn import WEIGHT_AXES, GatedExperts
 from models.layers.moe import make_route_fn
 from models.layers.router import RouterConfig
+
+pytestmark = [pytest.mark.fast]
 
 
 def simulate_ragged_all_to_all(operands, outputs, plans):

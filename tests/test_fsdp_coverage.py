@@ -15,6 +15,8 @@ from models.deepseek import DeepSeekConfig
 from models.layers.router import RouterConfig
 from models.nemotron_h import NemotronHConfig
 
+pytestmark = [pytest.mark.fast]
+
 DEEPSEEK = DeepSeekConfig(vocab_size=96, embed=32, layers=3, first_k_dense=1, heads=4, q_lora_rank=16,
                           kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, mlp=64,
                           expert_mlp=16, shared_experts=1, router=RouterConfig(num_experts=16, top_k=2))

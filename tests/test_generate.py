@@ -12,6 +12,8 @@ from hf_tiny_models import forward, save_tiny_llama
 from jaxtrain import hf
 from jaxtrain.generate import Engine, Sampling, count_compiles, left_pad
 
+pytestmark = [pytest.mark.slow]
+
 PROMPT_LENGTHS = (5, 11, 3)
 NEW_TOKENS = 32
 

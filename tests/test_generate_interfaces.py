@@ -17,6 +17,8 @@ from jaxtrain.data.tokenizer import HFTokenizer
 from jaxtrain.generate import Engine, Sampling
 from store_helpers import make_chat_tokenizer
 
+pytestmark = [pytest.mark.slow]
+
 TEXTS = ["the cat sat on the mat", "a dog ran in the park", "hello world, hello cats and dogs"]
 
 

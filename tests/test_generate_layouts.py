@@ -14,7 +14,7 @@ from jaxtrain.training.config import TrainConfig
 from jaxtrain.training.device_groups import DeviceGroups
 from models.llama import LlamaConfig
 
-pytestmark = [pytest.mark.slow]  # compiles tiny models (about a minute in all on two loaded cores)
+pytestmark = [pytest.mark.slow]
 
 CFG = LlamaConfig(vocab_size=64, embed=32, layers=2, heads=4, kv_heads=2, mlp=48)
 TRAIN = TrainConfig(global_batch=4, seq_len=16, steps=2)

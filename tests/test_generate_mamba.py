@@ -14,6 +14,8 @@ from flax import nnx
 
 from models.layers.mamba2 import Mamba2Mixer, SSMConfig
 
+pytestmark = [pytest.mark.slow]
+
 CFG = SSMConfig(heads=4, head_dim=8, state=8, groups=2, conv_kernel=4, chunk_size=4, time_step_limit=(0.0, 0.3))
 EMBED, PROMPT, NEW = 16, 7, 6
 VALID_FROM = np.array([0, 3, 6])  # row 2 has one prompt token: fewer than conv_kernel - 1

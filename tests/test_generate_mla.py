@@ -13,6 +13,8 @@ from models.layers.attention_impl import BlockwiseAttention, MaterializedAttenti
 from models.layers.mla import MultiHeadLatentAttention, mla_softmax_scale
 from models.layers.rope import NoScaling
 
+pytestmark = [pytest.mark.slow]
+
 EMBED, HEADS, KV_LORA, NOPE, ROPE, V = 32, 4, 16, 8, 8, 6
 BATCH, PROMPT, NEW, MAX_LEN = 3, 6, 5, 13  # MAX_LEN > PROMPT + NEW: entries past `index` stay masked
 VALID_FROM = np.array([0, 2, 5], np.int32)  # left padding per row; row 2 has a one-token prompt

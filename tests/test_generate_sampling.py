@@ -11,6 +11,8 @@ import pytest
 
 from jaxtrain.generate.sampling import Sampling, filter_logits, sample
 
+pytestmark = [pytest.mark.slow]
+
 VOCAB = 8
 
 

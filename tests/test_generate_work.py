@@ -16,7 +16,7 @@ from models.layers.attention_impl import BlockwiseAttention
 from models.layers.decode_attention import grouped_query_decode, latent_decode
 from models.layers.decode_cache import LayerCache
 
-pytestmark = [pytest.mark.slow]  # compiles tiny models (about a minute in all on two loaded cores)
+pytestmark = [pytest.mark.slow]
 
 B, MAX_LEN, KV_HEADS, GROUPS, D, DV, LATENT, ROPE = 3, 40, 2, 3, 8, 6, 10, 4
 VALID_FROM = np.array([19, 13, 26], np.int32)  # the first block holds only pads: skipped

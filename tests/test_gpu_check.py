@@ -14,6 +14,8 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import gpu_summary  # noqa: E402
 from processes import child_env  # noqa: E402
 
+pytestmark = [pytest.mark.slow, pytest.mark.end_to_end, pytest.mark.extended]
+
 # Every row the table must have, whatever the numbers (labels as gpu_summary.py writes them).
 ROWS = (["kernel tests", "roofline:"]
         + [f"{section} " for section in gpu_summary.KERNEL_SECTIONS]

@@ -8,6 +8,8 @@ import pytest
 
 from pallas_kernels.grouped_matmul_tiled import grouped_matmul_tiled
 
+pytestmark = [pytest.mark.fast]
+
 
 def reference(lhs, rhs, sizes):
     """float64: rows in order, group g's rows times rhs[g]; rows past the groups give zeros."""

@@ -13,6 +13,8 @@ from jaxtrain.hf.gin_config import model_gin
 from models.layers.rope import Llama3Scaling, LinearScaling, NoScaling
 from models.llama import LlamaConfig
 
+pytestmark = [pytest.mark.fast]
+
 V5_LLAMA3 = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
     "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,

@@ -15,6 +15,8 @@ from jaxtrain.hf.config_fields import CHECKED_FIELDS, NO_MATH_FIELDS
 from jaxtrain.hf.errors import HFConfigError
 from jaxtrain.hf.registry import families
 
+pytestmark = [pytest.mark.slow]
+
 # transformers config classes at tiny sizes (those of tests/hf_tiny_models.py and test_hf_deepseek.py)
 TINY = {
     "llama": ("LlamaConfig", dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

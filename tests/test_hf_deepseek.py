@@ -22,6 +22,8 @@ from models.deepseek import DeepSeekConfig
 from models.layers.rope import NoScaling, YarnScaling
 from models.layers.router import RouterConfig
 
+pytestmark = [pytest.mark.slow]
+
 # DeepSeek-V2-Lite's config.json as published (remote-code layout: rope_scaling, top-level
 # rope_theta, the reference code's extra fields), only made small.
 PUBLISHED_LITE = {

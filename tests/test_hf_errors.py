@@ -16,6 +16,8 @@ from jaxtrain.hf.errors import HFCheckpointError, HFConfigError
 from jaxtrain.hf.memory_check import write_random_hf_dir
 from models.llama import LlamaConfig
 
+pytestmark = [pytest.mark.fast]
+
 TINY = LlamaConfig(vocab_size=64, embed=32, layers=2, heads=4, kv_heads=2, mlp=48)
 
 

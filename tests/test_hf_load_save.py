@@ -17,6 +17,8 @@ from jaxtrain.hf.verify import compare_logits, transformers_logits
 from meshes.mesh import MeshConfig, build_mesh
 from models.layers.rope import Llama3Scaling, LinearScaling
 
+pytestmark = [pytest.mark.slow]
+
 CASES = {
     # GQA, untied head, Llama-3 rope (original length 64 puts frequencies in all three bands),
     # an odd vocabulary (stays unsharded on tensor=4), attention biases.

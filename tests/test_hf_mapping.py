@@ -16,6 +16,8 @@ from jaxtrain.hf.mapping import Family, TensorMap
 from jaxtrain.hf.rearrange import parse
 from models.layers.params import param, zeros
 
+pytestmark = [pytest.mark.fast]
+
 # ----------------------------------------------------------------------------- rearrange
 
 

@@ -20,6 +20,8 @@ from jaxtrain.hf.verify import transformers_logits
 from meshes.mesh import MeshConfig, build_mesh
 from models.layers.router import RouterConfig
 
+pytestmark = [pytest.mark.slow]
+
 HF_CONFIG = dict(moe_latent_size=16, mlp_bias=True, use_bias=True, time_step_min=0.6, n_routed_experts=8,
                  n_group=2, topk_group=1, routed_scaling_factor=2.5)
 

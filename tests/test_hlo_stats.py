@@ -1,10 +1,13 @@
 """Collective statistics of compiled HLO: executed counts multiply loop bodies by their trips."""
+import pytest
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from jaxtrain.observe.hlo_stats import collective_stats, executed_collective_stats
+
+pytestmark = [pytest.mark.fast]
 
 
 def test_nested_loops_multiply_collective_counts_and_bytes():

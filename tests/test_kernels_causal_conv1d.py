@@ -12,6 +12,8 @@ from kernel_checks import TOL, assert_close
 from pallas_kernels import gpu_lowering
 from pallas_kernels.causal_conv1d import causal_conv1d
 
+pytestmark = [pytest.mark.fast, pytest.mark.gpu]
+
 B, L, D = 2, 37, 20  # L, D not multiples of the blocks used below
 
 

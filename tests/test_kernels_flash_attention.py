@@ -22,7 +22,7 @@ from pallas_kernels.flash_attention import (
 )
 from pallas_kernels.flash_attention_reference import visible
 
-pytestmark = pytest.mark.usefixtures("exact_f32_matmuls")
+pytestmark = [pytest.mark.fast, pytest.mark.gpu, pytest.mark.usefixtures("exact_f32_matmuls")]
 
 SCALE = 0.3
 

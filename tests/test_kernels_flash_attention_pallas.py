@@ -15,7 +15,7 @@ from pallas_kernels import flash_attention as fa
 from pallas_kernels import flash_attention_pallas, gpu_lowering
 from pallas_kernels.flash_attention_reference import visible
 
-pytestmark = pytest.mark.usefixtures("exact_f32_matmuls")
+pytestmark = [pytest.mark.fast, pytest.mark.gpu, pytest.mark.usefixtures("exact_f32_matmuls")]
 
 BLOCKS = dict(block_q=16, block_k=16)  # several blocks per tiny sequence: skipping and row tails
 

@@ -12,7 +12,7 @@ from kernel_checks import TOL, assert_close, exact_f32_matmuls  # noqa: F401
 from pallas_kernels import gpu_lowering
 from pallas_kernels.grouped_matmul import grouped_matmul, tile_schedule
 
-pytestmark = pytest.mark.usefixtures("exact_f32_matmuls")
+pytestmark = [pytest.mark.fast, pytest.mark.gpu, pytest.mark.usefixtures("exact_f32_matmuls")]
 
 M, K, N, G = 48, 40, 24, 4  # none a multiple of its block: exercises masks
 GROUP_SIZES = {

@@ -12,6 +12,8 @@ import pytest
 from pallas_kernels import gpu_lowering
 from pallas_kernels.moe_routing import route
 
+pytestmark = [pytest.mark.fast, pytest.mark.gpu]
+
 T, E = 37, 16  # T not a multiple of the token block
 # Constant within each group of 4 and exact in f32, so equal logits in a group
 # stay exact ties in every precision.

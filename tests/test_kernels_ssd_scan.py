@@ -13,7 +13,7 @@ from kernel_checks import TOL, assert_close, exact_f32_matmuls  # noqa: F401
 from pallas_kernels import gpu_lowering
 from pallas_kernels.ssd_scan import ssd_scan, ssd_scan_naive
 
-pytestmark = pytest.mark.usefixtures("exact_f32_matmuls")
+pytestmark = [pytest.mark.fast, pytest.mark.gpu, pytest.mark.usefixtures("exact_f32_matmuls")]
 
 # (b, l, h, p, g, n, chunk): l not a multiple of the chunk, groups 1 and > 1,
 # p/n not powers of 2 (masked Triton tiles).

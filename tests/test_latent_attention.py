@@ -22,6 +22,8 @@ from models.layers.mla import MultiHeadLatentAttention, mla_softmax_scale
 from models.layers.rope import NoScaling
 from pallas_kernels.flash_attention import attention_reference
 
+pytestmark = [pytest.mark.fast]
+
 QUICK = {"xla_backend_optimization_level": 0}
 
 

@@ -24,6 +24,8 @@ from models.layers.mamba2 import Mamba2Mixer, SSMConfig
 from models.mamba2 import Mamba2Config
 from pallas_kernels.ssd_scan import ssd_scan, ssd_scan_naive
 
+pytestmark = [pytest.mark.fast]
+
 
 @pytest.fixture(autouse=True)
 def _exact_f32_matmuls():

@@ -20,6 +20,8 @@ from jaxtrain.data.store.readers import check_fits_vocabulary, open_source
 from store_helpers import source_documents, write_megatron_reference
 from test_data import random_documents, rng, write_jsonl  # noqa: F401
 
+pytestmark = [pytest.mark.fast]
+
 
 def random_megatron_documents(rng, count, high):
     """Documents of 1..3 sequences (as Megatron writes sentence-split data), some sequences empty."""

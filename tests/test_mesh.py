@@ -7,6 +7,8 @@ from jax.sharding import PartitionSpec as P
 from meshes.mesh import AXES, MeshConfig, build_mesh, split_over_processes
 from meshes.rules import RULE_SETS, get_rule_set, spec_for
 
+pytestmark = [pytest.mark.fast]
+
 
 def factorizations(n: int, parts: int):
     powers = [2 ** i for i in range(int(math.log2(n)) + 1)]

@@ -1,4 +1,5 @@
 """bf16 compute with float32 master weights and optimizer state."""
+import pytest
 import dataclasses
 
 import jax
@@ -7,6 +8,8 @@ import numpy as np
 
 from helpers import TINY_LLAMA, train_losses
 from meshes.mesh import MeshConfig
+
+pytestmark = [pytest.mark.slow]
 
 
 def test_bfloat16_compute_tracks_float32_and_keeps_float32_state():

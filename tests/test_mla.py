@@ -15,6 +15,8 @@ from transformers import DeepseekV2Config  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_ds  # noqa: E402
 
+pytestmark = [pytest.mark.fast]
+
 EMBED, HEADS, KV_LORA, NOPE, ROPE, V = 32, 4, 16, 8, 8, 6
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 1.0}  # mscale != all_dim: af != 1

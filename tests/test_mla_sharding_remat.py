@@ -22,6 +22,8 @@ from jaxtrain.training.parallel_plan import ParallelPlan
 from meshes.mesh import MeshConfig
 from models.deepseek import DeepSeekConfig
 
+pytestmark = [pytest.mark.slow]
+
 WARNING = "Involuntary full rematerialization"
 # Two dense MLA layers (one per pipeline stage): the replicated tensors were outside MLA.
 MODEL = DeepSeekConfig(vocab_size=64, embed=64, layers=2, first_k_dense=2, heads=4, kv_lora_rank=32,

@@ -11,6 +11,8 @@ import jaxtrain.training.config  # noqa: F401  (the whole gin registry, as a run
 from models.family import _FAMILIES, FamilyConfig, ModelConfig, families, family_of, model_family
 from models.llama import LlamaConfig, build_llama
 
+pytestmark = [pytest.mark.fast]
+
 
 def test_every_family_file_registers_itself():
     assert set(families()) == {"llama", "deepseek_v2", "nemotron_h", "mamba2"}

@@ -18,6 +18,8 @@ from models.layers.mamba2 import SSMConfig
 from models.layers.router import RouterConfig
 from models.nemotron_h import NemotronHConfig
 
+pytestmark = [pytest.mark.slow]
+
 TINY = DeepSeekConfig(vocab_size=64, embed=32, layers=2, first_k_dense=1, heads=2, kv_lora_rank=16,
                       qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, mlp=64, expert_mlp=16,
                       router=RouterConfig(num_experts=8, top_k=2, n_group=2, topk_group=1, aux_loss_weight=0.01))

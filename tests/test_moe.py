@@ -14,6 +14,8 @@ from models.layers.expert_ffn import WEIGHT_AXES, GatedExperts, PlainExperts
 from models.layers.moe import MoEBlock, make_route_fn
 from models.layers.router import RouterConfig
 
+pytestmark = [pytest.mark.fast]
+
 E, D, H = 8, 12, 16
 
 

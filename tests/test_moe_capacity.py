@@ -22,6 +22,8 @@ from models.layers.expert_ffn import WEIGHT_AXES, GatedExperts, PlainExperts
 from models.layers.moe import make_route_fn
 from models.layers.router import RouterConfig
 
+pytestmark = [pytest.mark.slow]
+
 E, K, D, H = 8, 2, 12, 16
 
 

@@ -16,6 +16,8 @@ from jaxtrain.training.trainer import Trainer
 from ports import reserved_port
 from processes import start_train_processes, wait_for
 
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.end_to_end]
+
 BINDINGS = ["LlamaConfig.embed=32", "LlamaConfig.layers=2", "LlamaConfig.mlp=64", "LlamaConfig.heads=4",
             "LlamaConfig.kv_heads=2", "TrainConfig.seq_len=32",
             "ObserveConfig.eval_batches=1", "TrainConfig.steps=6", "CheckpointConfig.checkpoint_every=3", "MeshConfig.data=8"]

@@ -16,6 +16,8 @@ from models.layers.pattern_stack import PatternStack
 from models.layers.router import RouterConfig
 from models.nemotron_h import NemotronHConfig
 
+pytestmark = [pytest.mark.slow]
+
 # Train sequences are 16 tokens: chunk 6 leaves a partial chunk; 8 SSM heads in 4 groups split
 # over tensor=4 (2 heads, one group per device).
 TINY_NEMOTRON_H = NemotronHConfig(

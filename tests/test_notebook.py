@@ -1,11 +1,14 @@
 """notebooks/quickstart.ipynb runs clean, headless, in a real Jupyter kernel of this venv."""
 from __future__ import annotations
 
+import pytest
 import os
 import sys
 
 import nbclient
 import nbformat
+
+pytestmark = [pytest.mark.slow, pytest.mark.end_to_end, pytest.mark.extended]
 
 NOTEBOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks", "quickstart.ipynb")
 

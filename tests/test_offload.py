@@ -14,6 +14,8 @@ from jaxtrain.training.state import init_state, state_shardings
 from meshes.mesh import MeshConfig, build_mesh
 from meshes.rules import get_rule_set
 
+pytestmark = [pytest.mark.slow]
+
 MESH = MeshConfig(data=8, tensor=2)
 
 

@@ -13,6 +13,8 @@ from jaxtrain.training.state import optimizer_roles
 from models.family import families
 from models.layers.router import RouterConfig
 
+pytestmark = [pytest.mark.fast]
+
 
 SSM_NO_DECAY = ("A_log", "D", "dt_bias")  # Mamba-2's per-head dynamics: never decayed
 

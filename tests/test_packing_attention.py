@@ -1,11 +1,14 @@
 """Packed rows: attention never crosses documents, so each document's logits inside a packed
 row equal the logits of that document run alone."""
+import pytest
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from helpers import TINY_LLAMA
+
+pytestmark = [pytest.mark.fast]
 
 
 def test_packed_row_equals_documents_run_separately():

@@ -7,6 +7,8 @@ import pytest
 from helpers import TINY_LLAMA, assert_finite, assert_trees_close, random_packed_batch, train_losses, with_train
 from meshes.mesh import MeshConfig
 
+pytestmark = [pytest.mark.slow]
+
 # Adam normalizes each update to about lr (1e-2 here), so for a weight whose gradient is near
 # zero a last-ulp difference in the gradient (another reduction order) can move it by up to
 # ~3e-5. The tolerance is 1% of one step's update: a real sharding bug moves weights by ~lr.

@@ -19,6 +19,8 @@ from meshes.pipeline_schedules import GPipe, Interleaved
 from models.llama import LlamaConfig
 from models.mamba2 import Mamba2Config
 
+pytestmark = [pytest.mark.fast]
+
 SPEC = "pipeline=2,data=2,context=2,tensor=2,rules=fsdp+experts_folded,split=14/13,microbatches=4"
 
 

@@ -21,6 +21,8 @@ from models.layers.pattern_stack import PatternStack
 from models.layers.stack import REMAT_POLICIES
 from test_nemotron_h import TINY_NEMOTRON_H
 
+pytestmark = [pytest.mark.slow]
+
 # Kinds repeat out of order, three MoE layers apart from each other: a wrong layer index or a
 # misplaced aux row changes the numbers.
 PATTERN = ("mamba", "moe", "mamba", "attention", "moe", "mlp", "mamba", "moe")

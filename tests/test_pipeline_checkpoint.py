@@ -20,6 +20,8 @@ from meshes.mesh import MeshConfig
 from meshes.pipeline_schedules import GPipe, Interleaved
 from pipeline_helpers import PIPELINE_OPT
 
+pytestmark = [pytest.mark.slow]
+
 LLAMA4 = dataclasses.replace(TINY_LLAMA, layers=4, vocab_size=320)  # byte tokens need >= 259 ids
 STEPS, EVERY = 9, 3
 

@@ -16,6 +16,8 @@ from meshes.pipeline_schedules import Interleaved
 from pipeline_helpers import initial_params, run_steps
 from test_deepseek import TINY_DEEPSEEK
 
+pytestmark = [pytest.mark.slow]
+
 DEEPSEEK27 = dataclasses.replace(TINY_DEEPSEEK, layers=27)
 TRAIN = with_train(microbatches=4)  # MoE aux losses are per microbatch: the reference uses as many
 

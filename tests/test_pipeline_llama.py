@@ -13,6 +13,8 @@ from meshes.mesh import MeshConfig
 from meshes.pipeline_schedules import GPipe, Interleaved
 from pipeline_helpers import initial_params, run_steps
 
+pytestmark = [pytest.mark.slow]
+
 LLAMA8 = dataclasses.replace(TINY_LLAMA, layers=8)
 PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-4  # as tests/test_parallel_equivalence.py
 

@@ -16,6 +16,8 @@ from meshes.pipeline_schedules import Interleaved
 from pipeline_helpers import initial_params, run_steps
 from test_nemotron_h import TINY_NEMOTRON_H
 
+pytestmark = [pytest.mark.slow]
+
 NEMOTRON8 = dataclasses.replace(TINY_NEMOTRON_H, pattern=("mamba", "moe", "attention", "mlp",
                                                           "mamba", "moe", "mamba", "attention"))
 TRAIN = with_train(microbatches=4)

@@ -15,6 +15,8 @@ from meshes.mesh import MeshConfig
 from meshes.pipeline_schedules import GPipe, Interleaved
 from meshes.pipeline_split import balanced_counts, chunk_counts, common_supersequence, plan_stages
 
+pytestmark = [pytest.mark.fast]
+
 
 def test_balanced_split_of_equal_layers_puts_the_extra_layer_first():
     assert balanced_counts([1.0] * 27, 2) == (14, 13)

@@ -27,6 +27,8 @@ from meshes.sharding_audit import audit_sharding
 
 from helpers import TINY_LLAMA
 
+pytestmark = [pytest.mark.fast]
+
 
 def _model(gin_file: str):
     gin.clear_config()

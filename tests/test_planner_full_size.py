@@ -26,7 +26,7 @@ from jaxtrain.planner.verify import compiled_memory
 from jaxtrain.training.config import load_experiment, parse_gin
 from jaxtrain.training.parallel_plan import ParallelPlan
 
-pytestmark = pytest.mark.full_size
+pytestmark = [pytest.mark.slow, pytest.mark.full_size]
 GIB = 2 ** 30
 
 MODELS = {  # name: (gin files, bindings, dense)

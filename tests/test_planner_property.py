@@ -34,6 +34,8 @@ from models.layers.router import RouterConfig
 from models.llama import LlamaConfig
 from models.nemotron_h import NemotronHConfig
 
+pytestmark = [pytest.mark.slow]
+
 SEED = 2212
 GIB = 2 ** 30
 TRAIN = TrainConfig(global_batch=16, seq_len=4096)

@@ -5,6 +5,8 @@ import pytest
 
 from ports import reserved_port
 
+pytestmark = [pytest.mark.fast]
+
 
 @pytest.mark.parametrize("family, address", [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET, "0.0.0.0"),
                                              (socket.AF_INET6, "::1"), (socket.AF_INET6, "::")])

@@ -18,6 +18,8 @@ from jaxtrain.data.store.readers import open_source
 from store_helpers import CHATML, CHATML_MARKED, make_chat_tokenizer, source_documents, source_masks
 from test_data import WORDS, random_documents, rng, write_jsonl, write_txt  # noqa: F401
 
+pytestmark = [pytest.mark.fast]
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -128,6 +130,7 @@ def _cli(*args, env=None, **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
 
 
+@pytest.mark.end_to_end
 def test_cli_exit_codes_and_a_killed_prepare(tmp_path, rng):
     docs = random_documents(rng, 40)
     corpus = write_jsonl(tmp_path / "corpus.jsonl", docs)

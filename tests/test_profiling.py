@@ -1,4 +1,5 @@
 """ObserveConfig.profile_steps writes a jax.profiler trace of those steps into the workdir."""
+import pytest
 import gzip
 import json
 import os
@@ -7,6 +8,8 @@ import sys
 
 from processes import child_env
 from test_cli import REPO, TINY
+
+pytestmark = [pytest.mark.slow, pytest.mark.end_to_end, pytest.mark.extended]
 
 
 def test_profile_steps_write_a_trace_of_the_train_step(tmp_path):

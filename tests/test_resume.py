@@ -17,6 +17,8 @@ from jaxtrain.data.tokenizer import ByteTokenizer
 from jaxtrain.training.trainer import Trainer
 from meshes.mesh import MeshConfig
 
+pytestmark = [pytest.mark.slow]
+
 
 def experiment(mesh: MeshConfig, rules="dp") -> Experiment:
     train = TrainConfig(steps=6, global_batch=16, seq_len=32, rules=rules)

@@ -25,6 +25,8 @@ from models.llama import LlamaConfig
 from models.mamba2 import Mamba2Config
 from models.nemotron_h import NemotronHConfig
 
+pytestmark = [pytest.mark.fast]
+
 
 @pytest.fixture(scope="module")
 def mesh():

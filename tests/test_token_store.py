@@ -21,6 +21,8 @@ from jaxtrain.data.tokenizer import load_tokenizer
 from store_helpers import source_documents
 from test_data import make_hf_tokenizer_dir, random_documents, rng, write_jsonl, write_txt  # noqa: F401
 
+pytestmark = [pytest.mark.fast]
+
 
 def packed_documents(docs, tokenizer):
     """The reference: each document `[bos] + encode(doc) + [eos]`, token by token."""

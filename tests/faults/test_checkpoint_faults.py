@@ -15,6 +15,8 @@ from cli_runs import EVERY_3 as EVERY
 from cli_runs import REPO, env, losses, rows, steps_on_disk, train, train_args, uninterrupted
 from jaxtrain.resilience import exit_codes
 
+pytestmark = [pytest.mark.slow, pytest.mark.end_to_end]
+
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
@@ -190,6 +192,7 @@ def files_of(workdir) -> dict:
     return {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file() and p.name != ".jaxtrain.lock"}
 
 
+@pytest.mark.extended
 def test_resume_with_other_clipping_and_roles_carries_the_optimizer_state_over_with_one_line_each(reference, tmp_path):
     """Clipping off: the chain's positions move, the Adam moments fit. Two parameters switched to
     no_decay (as Mamba-2's A_log/D/dt_bias were): named in one line."""
@@ -208,6 +211,7 @@ def test_resume_with_other_clipping_and_roles_carries_the_optimizer_state_over_w
     np.testing.assert_allclose(resumed[7], reference[1][7], rtol=1e-6)  # step 6's params, not a fresh start
 
 
+@pytest.mark.extended
 def test_resume_with_an_optimizer_of_another_structure_is_refused_and_moves_nothing(reference, tmp_path):
     workdir = died_after_step_8(reference, tmp_path)
     before = files_of(workdir)
@@ -230,6 +234,7 @@ def test_resume_with_an_optimizer_of_another_structure_is_refused_and_moves_noth
                                rtol=1e-6)
 
 
+@pytest.mark.extended
 def test_a_step_without_manifest_is_refused_unless_allowed(reference, tmp_path):
     workdir = died_after_step_8(reference, tmp_path)
     (workdir / "checkpoints" / "6" / "_CHECKPOINT_METADATA").unlink()

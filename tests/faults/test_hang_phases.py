@@ -11,6 +11,8 @@ import pytest
 from cli_runs import steps_on_disk, train
 from jaxtrain.resilience import exit_codes
 
+pytestmark = [pytest.mark.slow, pytest.mark.end_to_end, pytest.mark.extended]
+
 BOUND = 3  # seconds: the bound of the hanging part; the others keep their generous defaults
 HANG = {"FAULT_HANG_S": "30"}
 

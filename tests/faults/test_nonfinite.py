@@ -14,6 +14,8 @@ from cli_runs import EVERY_3, losses, rows, steps_on_disk, train
 from jaxtrain.resilience import exit_codes
 from jaxtrain.training.state import TrainState
 
+pytestmark = [pytest.mark.slow, pytest.mark.end_to_end]
+
 POISONED = 4  # batch 4 (0-based) is step 5's
 EVERY = EVERY_3
 

@@ -2,12 +2,15 @@
 joins, a worker killed with SIGKILL mid-training, a save failing in one process, checkpoint
 directories that are not shared. Every survivor ends within the peer timeout with one error
 line saying which process and what; none waits silently or dies in a C++ stack dump."""
+import pytest
 import socket
 import time
 
 from cli_runs import steps_on_disk
 from jaxtrain.resilience import exit_codes
 from live_runs import Live, process_args, reserved_port, running
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.end_to_end]
 
 T = 15  # ResilienceConfig.peer_timeout_s for these runs
 HOST = socket.gethostname()

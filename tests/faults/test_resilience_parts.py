@@ -23,6 +23,8 @@ from jaxtrain.resilience.peers import Peers  # noqa: E402
 from jaxtrain.resilience.preemption import StopSignals  # noqa: E402
 from jaxtrain.resilience.watchdog import Watchdog  # noqa: E402
 
+pytestmark = [pytest.mark.fast, pytest.mark.end_to_end]
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -13,6 +13,8 @@ from cli_runs import EVERY_3 as EVERY
 from cli_runs import losses, rows, steps_on_disk, train, uninterrupted
 from jaxtrain.resilience import exit_codes
 
+pytestmark = [pytest.mark.slow, pytest.mark.end_to_end]
+
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):

@@ -3,6 +3,7 @@ CLI on a tiny model: exit 0 at once with one line saying the run stopped before 
 that signal, and nothing written (no checkpoint, no metrics, no half-written file); with two
 processes, the one signalled and the other alike. The restore and the first step are slowed by
 injection (tests/faults/peer_faults.py), and the signal sent once the process says it is there."""
+import pytest
 import os
 import pathlib
 import re
@@ -10,6 +11,8 @@ import signal
 
 from cli_runs import train_args
 from live_runs import Live, process_args, reserved_port, running
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.end_to_end, pytest.mark.extended]
 
 STOPPED = ("jaxtrain: process {i}: stopped before its first step on {sig} (received during start-up: restore or "
            "compilation); nothing was saved")

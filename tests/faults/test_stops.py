@@ -13,6 +13,8 @@ from cli_runs import losses, steps_on_disk, train, train_args
 from jaxtrain.resilience import exit_codes
 from live_runs import Live, process_args, reserved_port, running
 
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.end_to_end]
+
 STEPS = 12
 SLOW = {"FAULT_STEP_SLEEP": "0.3"}  # every step sleeps first, so a signal lands inside one
 
