@@ -38,7 +38,7 @@ from meshes.mesh import MeshConfig
 from pipeline_helpers import PIPELINE_OPT, initial_params
 
 # ~20 minutes on two cores: its own target, `make test-reference` (CI runs it after the suite).
-pytestmark = pytest.mark.reference_layout
+pytestmark = [pytest.mark.slow, pytest.mark.reference_layout]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, SAVE_AT, RESUMED = 20, 10, 3
