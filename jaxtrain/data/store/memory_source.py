@@ -14,6 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxtrain.data.text_files import encode_to_array, read_documents, resolve_path
+
 
 class MemorySource:
     """Documents back to back in one int32 array, with their offsets (and optional masks)."""
@@ -77,8 +79,6 @@ def text_files_source(files: Sequence[str | os.PathLike], tokenizer_spec: str,
                       text_field: str = "text") -> MemorySource:
     """The documents of raw `.txt`/`.jsonl`/`save_to_disk` files, in file order, each framed as
     `[bos] + tokens + [eos]` with `tokenizer_spec`'s ids (cached while the files are unchanged)."""
-    from jaxtrain.data.packing import resolve_path  # (packing imports this module)
-
     keys = tuple(_file_key(resolve_path(f)) for f in files)
     return _cached_text_source(keys, tokenizer_spec, text_field)
 
@@ -86,7 +86,6 @@ def text_files_source(files: Sequence[str | os.PathLike], tokenizer_spec: str,
 @functools.lru_cache(maxsize=4)
 def _cached_text_source(file_keys: tuple[tuple[str, int, int], ...], tokenizer_spec: str,
                         text_field: str) -> MemorySource:
-    from jaxtrain.data.packing import encode_to_array, read_documents
     from jaxtrain.data.tokenizer import load_tokenizer
 
     paths = [pathlib.Path(key[0]) for key in file_keys]
