@@ -31,30 +31,6 @@ def evaluate_stream(setup, params, stream, *, seq_len: int, stride: int, batch_s
     return {"loss": loss, "perplexity": math.exp(min(loss, 80.0)), "tokens": int(tokens)}
 
 
-def restore_latest_params(setup, workdir: str, allow_unverified: bool, *, as_saved: bool = True):
-    """(step, params) of the newest intact checkpoint in workdir/checkpoints through the one restore
-    path (TrainSetup.restore): params on `setup`'s mesh, in the canonical (on-disk) layout, or
-    `as_saved=False` in the setup's own (pipeline stages); exits 2 (no checkpoint, another
-    model's) or with the checkpoint exit code. Shared by eval and generate."""
-    from jaxtrain.checkpoints.checkpointer import CheckpointError, Checkpointer, IncompatibleCheckpoint
-    from jaxtrain.resilience import exit_codes
-
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"))
-    try:
-        if checkpointer.latest_step() is None:
-            fail(f"no checkpoint in {workdir}/checkpoints")
-        try:  # the newest intact step (a corrupt newer one is reported and skipped, not moved)
-            restored = setup.restore(checkpointer, params_only=True, as_saved=as_saved, quarantine=False,
-                                     allow_unverified=allow_unverified)
-        except IncompatibleCheckpoint as e:  # written for another model: a config error, like a bad flag
-            fail(str(e))
-        except CheckpointError as e:
-            fail(str(e), code=exit_codes.CHECKPOINT)
-    finally:
-        checkpointer.close()
-    return restored.step, restored.params
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxtrain.eval", description=__doc__)
     add_common_flags(parser)
@@ -79,6 +55,7 @@ def main(argv=None) -> int:
     from jaxtrain.data.packing import tokenize_text_stream
     from jaxtrain.data.tokenizer import load_tokenizer
     from jaxtrain.training.device_groups import one_mesh_program
+    from jaxtrain.training.restore_latest import RestoreFailed, restore_latest_params
     from jaxtrain.training.train_setup import build_train_setup
 
     try:
@@ -94,7 +71,11 @@ def main(argv=None) -> int:
         stream = tokenize_text_stream(args.data, tokenizer)
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
-    step, params = restore_latest_params(setup, args.workdir, exp.checkpoint.allow_unverified_restore, as_saved=False)
+    try:
+        step, params = restore_latest_params(setup, args.workdir, exp.checkpoint.allow_unverified_restore,
+                                             as_saved=False)
+    except RestoreFailed as e:
+        fail(str(e), code=e.exit_code)
     result = evaluate_stream(setup, params, stream, seq_len=seq_len, stride=args.stride or max(seq_len // 2, 1),
                              batch_size=batch_size, pad_id=tokenizer.pad_id)
     print(json.dumps({"checkpoint_step": step, "data": args.data, **result}), flush=True)

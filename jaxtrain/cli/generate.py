@@ -135,6 +135,7 @@ def main(argv=None) -> int:
                 fail(str(e))
 
     from jaxtrain.generate import loading
+    from jaxtrain.training.restore_latest import RestoreFailed
 
     source = args.workdir or args.hf_dir
     try:
@@ -144,6 +145,8 @@ def main(argv=None) -> int:
             loaded = loading.load_hf_dir(args.hf_dir, args.layout)
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
+    except RestoreFailed as e:
+        fail(str(e), code=e.exit_code)
     ids = encode(loaded.tokenizer, texts, args.chat, source)
     check_lengths(ids, texts, args, loaded.max_positions)
     engine = loaded.engine()

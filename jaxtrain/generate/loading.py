@@ -79,11 +79,12 @@ def hf_tokenizer_or_none(directory: str):
 
 def load_workdir(workdir: str) -> Loaded:
     """The newest intact checkpoint of a training workdir (gin already parsed from its config.gin),
-    restored as the eval CLI restores it, onto the run's layout (`Experiment.layout` included)."""
-    from jaxtrain.cli.eval import restore_latest_params
+    restored as the eval CLI restores it, onto the run's layout (`Experiment.layout` included);
+    raises RestoreFailed (with its exit code) when there is none to restore."""
     from jaxtrain.data.tokenizer import load_tokenizer
     from jaxtrain.training.config import load_experiment
     from jaxtrain.training.device_groups import one_mesh_program
+    from jaxtrain.training.restore_latest import restore_latest_params
     from jaxtrain.training.train_setup import build_train_setup
 
     exp = load_experiment()
