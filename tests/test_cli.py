@@ -74,6 +74,9 @@ def in_process(args, capsys):
     (["TrainConfig.steps=0"], "TrainConfig.steps must be positive"),
     (["TrainConfig.global_batch=-8"], "TrainConfig.global_batch must be positive"),
     (["ObserveConfig.sample_every=2"], "ObserveConfig.sample_every is set but sample_prompts is empty"),
+    # samples during training on a context-parallel layout: refused at start, not at the first sample
+    (["ObserveConfig.sample_every=2", "ObserveConfig.sample_prompts=('A',)", "MeshConfig.data=4",
+      "MeshConfig.context=2"], "generation does not run under context parallelism (context=2"),
     (["TrainConfig.nonexistent=3"], "nonexistent"),
     (["MeshConfig.data=2"], "needs 4 devices but 16 are available"),
     (["TrainConfig.global_batch=6"], "not divisible by the data-parallel size 8"),

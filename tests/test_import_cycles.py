@@ -18,9 +18,6 @@ KNOWN_PACKAGE_EDGES = {
     ("jaxtrain.pipeline", "jaxtrain.training"):
         "the stage layout and staged state build on training/state.py (init_state, map_param_leaves, "
         "optimizer_shardings ...), while train_setup assembles the pipeline",
-    ("jaxtrain.training", "jaxtrain.generate"):
-        "the trainer's samples during training (generate/during_training.py) while generate/loading.py "
-        "loads a run through training",
 }
 
 

@@ -40,11 +40,12 @@ def _train(args, signals) -> int:
     from jaxtrain.training.config import load_experiment
     from jaxtrain.resilience import exit_codes
     from jaxtrain.resilience.exit_codes import RunStopped
+    from jaxtrain.generate.during_training import TrainingSampler
     from jaxtrain.training.trainer import Trainer
 
     try:
         exp = load_experiment()
-        trainer = Trainer(exp, args.workdir, config_text=gin.config_str())
+        trainer = Trainer(exp, args.workdir, config_text=gin.config_str(), sampler=TrainingSampler)
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
     try:  # the workdir (lock, config.gin, checkpoints) is written only from here on

@@ -1,11 +1,12 @@
 """Samples while training (`ObserveConfig.sample_every` / `sample_prompts`): greedy continuations of
 fixed prompts from the current parameters, on the run's own mesh, built once and reused (one
-compile of prefill and decode for the whole run)."""
+compile of prefill and decode for the whole run). The train CLI hands this class to the Trainer
+(`Trainer(..., sampler=TrainingSampler)`), which builds it at start."""
 from __future__ import annotations
 
 from flax import nnx
 
-from jaxtrain.generate.engine import Engine
+from jaxtrain.generate.engine import Engine, check_generation_layout
 from jaxtrain.generate.loading import cache_dtype, canonical_model
 
 
@@ -13,6 +14,7 @@ class TrainingSampler:
     def __init__(self, trainer):
         from jaxtrain.data.tokenizer import load_tokenizer
 
+        check_generation_layout(trainer.mesh)  # at start, not at the first sample
         self.tr = trainer
         self.tokenizer = load_tokenizer(trainer.exp.data.tokenizer)
         self.prompts = list(trainer.exp.observe.sample_prompts)

@@ -10,6 +10,7 @@ import contextlib
 import math
 import os
 import sys
+from typing import Callable
 
 import jax
 
@@ -60,9 +61,14 @@ def _warn_about_set_aside_steps(directory: str) -> None:
 
 
 class Trainer:
-    def __init__(self, exp: Experiment, workdir: str, devices=None, config_text: str | None = None):
+    def __init__(self, exp: Experiment, workdir: str, devices=None, config_text: str | None = None,
+                 sampler: Callable[["Trainer"], Callable[[object], list[dict]]] | None = None):
         """`config_text`: the gin config to keep as `<workdir>/config.gin` once the run has
-        checked that the workdir's checkpoints fit it (the CLI passes gin.config_str())."""
+        checked that the workdir's checkpoints fit it (the CLI passes gin.config_str()).
+        `sampler`: builds, from this Trainer, the params -> samples callable ObserveConfig.sample_every
+        needs (jaxtrain.generate.during_training.TrainingSampler, which the train CLI passes); built
+        here, so a layout or prompt it cannot serve fails at start. Passed in, not imported, because
+        generation builds on training."""
         for part in (exp.model, exp.mesh, exp.data, exp.optimizer):
             check_config_types(part)
         exp.validate()
@@ -89,6 +95,12 @@ class Trainer:
         self.shardings = setup.state.shardings
         self.pipeline_summary = setup.summary
         self.leaf_paths = [leaf_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(setup.state.abstract.params)]
+        self.sampler = None
+        if exp.observe.sample_every:
+            if sampler is None:
+                raise ValueError("ObserveConfig.sample_every is set but this Trainer was given no sampler: pass "
+                                 "Trainer(..., sampler=jaxtrain.generate.during_training.TrainingSampler)")
+            self.sampler = sampler(self)
 
     # -- state -------------------------------------------------------------------------------
     def restore_or_init(self, checkpointer: Checkpointer) -> tuple[TrainState, dict]:
@@ -146,8 +158,6 @@ class Trainer:
 
     def loop_parts(self) -> LoopParts:
         """What the step loop works with (jaxtrain/training/train_loop.py)."""
-        from jaxtrain.generate.during_training import TrainingSampler
-
         exp, t = self.exp, self.exp.train
         return LoopParts(
             setup=self.setup, train=t, checkpoint=exp.checkpoint, resilience=exp.resilience, observe=exp.observe,
@@ -156,7 +166,7 @@ class Trainer:
             evaluate=self.evaluate, restore_or_init=self.restore_or_init, leaf_paths=self.leaf_paths,
             flops_per_token=exp.model.flops_per_token(t.seq_len),
             peak_flops=peak_flops(jax.devices()[0].device_kind, exp.observe.peak_flops_per_device),
-            make_sampler=lambda: TrainingSampler(self))
+            make_sampler=lambda: self.sampler)
 
     # -- loop --------------------------------------------------------------------------------
     def run(self, stop_after: int | None = None, signals=None) -> list[dict]:
