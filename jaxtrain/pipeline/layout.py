@@ -8,7 +8,7 @@ stages dimension split over `pipeline`, padding slots zero. Everything outside t
 Both directions are gathers with static indices; run under `jit` with out_shardings they
 produce each stage's layers directly on its devices. Any tree whose leaf paths end with a
 parameter's path (optax states nest params-shaped trees) is regrouped leaf by leaf
-(`jaxtrain.training.state.map_param_leaves`, which also lays out the shardings).
+(`jaxtrain.train_state.map_param_leaves`, which also lays out the shardings).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.training.state import map_param_leaves
+from jaxtrain.train_state import map_param_leaves
 from meshes.pipeline_split import StagePlan
 from models.layers.params import logical_axes
 

@@ -17,8 +17,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtrain.checkpoints.checkpointer import STATE_ITEMS
 from jaxtrain.pipeline.layout import PipelineLayout
 from jaxtrain.pipeline.streamed_save import StreamedCanonical
-from jaxtrain.training.state import (TrainState, abstract_model, count_params, in_memory, init_state,
-                                     optimizer_shardings, param_shardings, shardings_by_path, with_shardings)
+from jaxtrain.train_state import (TrainState, abstract_model, count_params, in_memory, init_state,
+                                  optimizer_shardings, param_shardings, shardings_by_path, with_shardings)
 from meshes.pipeline_split import StagePlan
 from meshes.rules import RuleSet, RuleTable, table_name
 

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jaxtrain.checkpoints.fingerprint import format_sums, leaf_path, offset_sums
-from jaxtrain.training.state import map_param_leaves
+from jaxtrain.train_state import map_param_leaves
 
 
 class _Stacked:
