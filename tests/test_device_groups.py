@@ -111,6 +111,7 @@ TWO_PROCESS_BINDINGS = [
 
 @pytest.mark.multiprocess
 @pytest.mark.end_to_end
+@pytest.mark.extended  # its one-process twins above stay in the suite
 def test_one_group_per_process_trains_as_one_process(tmp_path, capsys):
     """The CLI in two processes of 4 devices (gin DeviceGroups.rows: process 0's group takes 12 rows,
     process 1's 4) against one process running the plain plan on the same corpus batches: the

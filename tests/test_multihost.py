@@ -37,7 +37,9 @@ def single_process(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", [
     [],  # data=8 x 2 processes: each process feeds half the rows
-    ["MeshConfig.pipeline=2", "MeshConfig.data=4", "TrainConfig.microbatches=2"],  # a stage per process
+    # a stage per process: `make test-extended` (the suite's budget)
+    pytest.param(["MeshConfig.pipeline=2", "MeshConfig.data=4", "TrainConfig.microbatches=2"],
+                 marks=pytest.mark.extended),
 ], ids=["data", "pipeline_across_processes"])
 def test_two_processes_match_one(tmp_path, layout, single_process):
     bindings = BINDINGS + layout

@@ -21,7 +21,9 @@ from models.layers.pattern_stack import PatternStack
 from models.layers.stack import REMAT_POLICIES
 from test_nemotron_h import TINY_NEMOTRON_H
 
-pytestmark = [pytest.mark.slow]
+# The model-level twin of tests/test_layer_scan.py (which checks the one scan helper against a Python
+# loop under every remat policy, gradients included): `make test-extended`, for the suite's budget.
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 # Kinds repeat out of order, three MoE layers apart from each other: a wrong layer index or a
 # misplaced aux row changes the numbers.

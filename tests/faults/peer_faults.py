@@ -42,7 +42,7 @@ def _patch() -> None:
 
     def init(self, *args, **kwargs):
         build(self, *args, **kwargs)
-        step, calls = self.train_step, [0]
+        step, calls = self.setup.train_step, [0]  # the one assembled step (training/train_setup.py)
 
         def slow_step(*a, **k):
             calls[0] += 1
@@ -53,7 +53,7 @@ def _patch() -> None:
                 time.sleep(600)
             time.sleep(sleep)
             return step(*a, **k)
-        self.train_step = slow_step
+        self.setup.train_step = slow_step
 
     if sleep or hang or first:
         trainer.Trainer.__init__ = init

@@ -70,9 +70,10 @@ def garble_array_metadata(step_dir):
 
 
 @pytest.mark.parametrize("damage, says", [
-    (params_of_another_step, "fingerprint mismatch"),
+    # two kinds of damage run in `make test-extended` (time budget); flip_bytes keeps the data case here
+    pytest.param(params_of_another_step, "fingerprint mismatch", marks=pytest.mark.extended),
     (flip_bytes, "step 6:"),  # a fingerprint mismatch, or a chunk that no longer decodes
-    (truncate, "step 6:"),
+    pytest.param(truncate, "step 6:", marks=pytest.mark.extended),
     (garble_step_metadata, "step 6: unreadable step metadata"),
     (garble_array_metadata, "step 6: cannot be read"),
 ])
@@ -103,7 +104,7 @@ def test_strict_restore_exits_with_one_line_and_moves_nothing(reference, tmp_pat
     assert steps_on_disk(workdir) == [3, 6] and not (workdir / "checkpoints_corrupt").exists()
 
 
-@pytest.mark.parametrize("item", ["opt_state", "data"])
+@pytest.mark.parametrize("item", ["opt_state", pytest.param("data", marks=pytest.mark.extended)])
 def test_missing_item_is_an_error_unless_reset_on_purpose(reference, tmp_path, item):
     workdir = died_after_step_8(reference, tmp_path)
     shutil.rmtree(workdir / "checkpoints" / "6" / item)
