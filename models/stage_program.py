@@ -92,8 +92,16 @@ class StageProgram:
         self.graphdefs = [nnx.graphdef(stacks[k].layers) for k in self.kinds]
         self.names = [_layer_names(stacks[k]) for k in self.kinds]
         self.slots = pattern_slots(pattern)
+        self.runs = pattern_runs(pattern)
+        # Kinds in one contiguous run each (a dense prefix and MoE layers; one kind) scan run by run
+        # with the weights as the scan's input: a switch there would slice every kind's layer in
+        # every step, and its backward accumulates each kind's stacked gradient per step (V2-Lite
+        # pipeline=2: XLA temp 18 -> 97 GiB). Alternating kinds (hybrids) take the one switched scan.
+        self.by_runs = len(self.runs) == len(self.kinds)
         self.passes, self.remat = passes, remat
         self.layer_remat = self._layer_remat({stacks[k].remat for k in self.kinds})
+        if passes > 1 and self.layer_remat == "none":  # as the planner assumes (planner/layer_profile.pipelined_policy)
+            self.layer_remat = "dots"
 
     def _layer_remat(self, policies: set) -> str:
         if len(policies) > 1:
@@ -116,17 +124,50 @@ class StageProgram:
         stacks = [params[k] for k in self.kinds]
         layers = [lambda carry, weights, g=g: nnx.merge(g, weights)(carry, positions, segment_ids)
                   for g in self.graphdefs]
+        if self.by_runs:
+            return self._apply_by_runs(stacks, layers, valid, repeat, x)
         # each slot's own validity, in slot order (static gathers of the per-kind masks)
         keep = jnp.stack([valid[kind][index] for kind, index in self.slots])
         kind_ids = [self.kinds.index(kind) for kind, _ in self.slots]
-        if len(self.kinds) == 1 and repeat is None:  # the scan slices the weights as its input
-            x, (aux,) = scan_layers(layers, x, stacks[0], keep=keep, remat=self.layer_remat)
-            return x, {self.kinds[0]: aux}
         weights_at = lambda read: tuple(_layer_of(s, repeat, read[k], names)
                                         for k, (s, names) in enumerate(zip(stacks, self.names)))
         x, per_kind = scan_layers(layers, x, read_indices(self.slots, self.kinds), weights_at,
                                   kind_ids=kind_ids, keep=keep, remat=self.layer_remat)
         return x, dict(zip(self.kinds, per_kind))
+
+    def _apply_by_runs(self, stacks, layers, valid, repeat, x):
+        """Each kind's one run of slots as a scan of its own, the weights the scan's input
+        (one pass) or sliced in the step (several passes)."""
+        pieces = {}
+        for kind, start, length in self.runs:
+            k = self.kinds.index(kind)
+            keep = valid[kind][start:start + length]
+            if repeat is None:
+                xs = jax.tree.map(lambda a: jax.lax.slice_in_dim(a, start, start + length), stacks[k])
+                x, (aux,) = scan_layers([layers[k]], x, xs, keep=keep, remat=self.layer_remat)
+            else:
+                weights_at = lambda slot, k=k: (_layer_of(stacks[k], repeat, slot, self.names[k]),)
+                x, (aux,) = scan_layers([layers[k]], x, start + jnp.arange(length), weights_at, keep=keep,
+                                        remat=self.layer_remat)
+            pieces[kind] = aux
+        return x, pieces
+
+
+def pattern_runs(pattern) -> tuple[tuple[str, int, int], ...]:
+    """The slot pattern as runs of one kind: (kind, first index within that kind, length)."""
+    out, seen = [], {}
+    for kind in pattern:
+        if out and out[-1][0] == kind:
+            out[-1][2] += 1
+        else:
+            out.append([kind, seen.get(kind, 0), 1])
+        seen[kind] = seen.get(kind, 0) + 1
+    return tuple(map(tuple, out))
+
+
+def alternates(kinds_in_order) -> bool:
+    """Whether a sequence of layer kinds revisits a kind (a stage then runs one switched scan)."""
+    return len(pattern_runs(kinds_in_order)) > len(set(kinds_in_order))
 
 
 def _layer_names(stack: LayerStack) -> dict:

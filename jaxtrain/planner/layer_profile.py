@@ -174,11 +174,11 @@ def pipelined_policy(policy: str, passes: int) -> str:
     """The remat policy a layer effectively runs under inside a pipeline stage. The stage
     program is vmapped over the stages, which gives every matmul a batch dimension: the policies
     that save only matmuls without one (`dots_no_batch`, `offload_dots`) then save nothing, as
-    `full`. (`passes`: the schedule's; a stage's weights, sliced per pass, are never saved:
-    models/layers/layer_scan.step_policy.)"""
+    `full`. With several passes (interleaved) a layer without remat runs under `dots`
+    (models/stage_program.py)."""
     if policy in ("dots_no_batch", "offload_dots"):
         return "full"
-    return policy
+    return "dots" if passes > 1 and policy == "none" else policy
 
 
 @functools.lru_cache(maxsize=16)
