@@ -12,6 +12,8 @@ one layer at a time. The peak resident memory is printed at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import resource
 import sys
@@ -106,16 +108,22 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def _show_import_notes() -> None:
+@contextlib.contextmanager
+def _import_notes_shown():
     """The HF readers log one info line naming the config fields they accepted without using
-    (provenance, generation settings): a user converting a published checkpoint should see it."""
-    import logging
+    (provenance, generation settings): a user converting a published checkpoint should see it.
+    The handler lives for this call only: left on the shared logger, it wrote to a stderr that a
+    caller (pytest's capture, a notebook) had since closed, and added lines to other CLIs' output."""
     notes = logging.getLogger("jaxtrain.hf")
-    if not notes.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        notes.addHandler(handler)
+    handler, level = logging.StreamHandler(sys.stderr), notes.level
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    notes.addHandler(handler)
     notes.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        notes.removeHandler(handler)
+        notes.setLevel(level)
 
 
 def main(argv=None) -> int:
@@ -133,8 +141,12 @@ def main(argv=None) -> int:
     if bool(args.hf_dir) == bool(args.hf_out):
         parser.error("give exactly one of --hf_dir (import) or --hf_out (export)")
 
+    with _import_notes_shown():
+        return _convert(args)
+
+
+def _convert(args) -> int:
     from jaxtrain.hf.errors import HFCheckpointError, HFConfigError
-    _show_import_notes()
     try:
         if args.hf_dir:
             gin_path = hf_to_checkpoint(args.hf_dir, args.workdir)
