@@ -81,7 +81,7 @@ class StageProgram:
     keeps them once). A stage of one kind in one pass scans its weights as the scan's input.
     """
 
-    def __init__(self, model, pattern, passes: int, remat: str = "none"):
+    def __init__(self, model, pattern, passes: int, remat: str = "none", loop: str = "runs"):
         """pattern: the stage's slot pattern, one kind per slot (StagePlan.pattern); `remat`:
         one of STAGE_REMAT (checked with the config by PipelineConfig.validate)."""
         stacks = layer_stacks(model)
@@ -93,11 +93,15 @@ class StageProgram:
         self.names = [_layer_names(stacks[k]) for k in self.kinds]
         self.slots = pattern_slots(pattern)
         self.runs = pattern_runs(pattern)
-        # Kinds in one contiguous run each (a dense prefix and MoE layers; one kind) scan run by run
-        # with the weights as the scan's input: a switch there would slice every kind's layer in
-        # every step, and its backward accumulates each kind's stacked gradient per step (V2-Lite
-        # pipeline=2: XLA temp 18 -> 97 GiB). Alternating kinds (hybrids) take the one switched scan.
-        self.by_runs = len(self.runs) == len(self.kinds)
+        # loop="runs" (what training runs): each run of one kind is a scan of its own, the weights
+        # the scan's input. loop="switched": one scan over the slots with a switch on the kind,
+        # which compiles one layer of each kind however they alternate (Nemotron-shaped reference
+        # layout 430 -> 28-45 s) but slices every kind's layer at every slot and accumulates each
+        # kind's stacked gradient per step: XLA temp 18 -> 97 GiB on V2-Lite pipeline=2, 2.1 -> 3.9
+        # GiB on a pipelined hybrid under remat full; the planner does not model it yet.
+        if loop not in ("runs", "switched"):
+            raise ValueError(f"StageProgram loop must be 'runs' or 'switched', got {loop!r}")
+        self.by_runs = loop == "runs" or len(self.runs) == len(self.kinds)
         self.passes, self.remat = passes, remat
         self.layer_remat = self._layer_remat({stacks[k].remat for k in self.kinds})
         if passes > 1 and self.layer_remat == "none":  # as the planner assumes (planner/layer_profile.pipelined_policy)
@@ -138,7 +142,7 @@ class StageProgram:
     def _apply_by_runs(self, stacks, layers, valid, repeat, x):
         """Each kind's one run of slots as a scan of its own, the weights the scan's input
         (one pass) or sliced in the step (several passes)."""
-        pieces = {}
+        pieces = {kind: [] for kind in self.kinds}
         for kind, start, length in self.runs:
             k = self.kinds.index(kind)
             keep = valid[kind][start:start + length]
@@ -149,8 +153,8 @@ class StageProgram:
                 weights_at = lambda slot, k=k: (_layer_of(stacks[k], repeat, slot, self.names[k]),)
                 x, (aux,) = scan_layers([layers[k]], x, start + jnp.arange(length), weights_at, keep=keep,
                                         remat=self.layer_remat)
-            pieces[kind] = aux
-        return x, pieces
+            pieces[kind].append(aux)
+        return x, {k: jax.tree.map(lambda *a: jnp.concatenate(a), *p) for k, p in pieces.items()}
 
 
 def pattern_runs(pattern) -> tuple[tuple[str, int, int], ...]:

@@ -186,7 +186,7 @@ def test_a_hybrid_stage_is_one_scan_over_its_slots(hybrid):
     plan = plan_stages(layer_sequence(model), stages=2, repeats=1, counts=(5, 3))
     runs, kinds = len(plan.runs()), len(plan.kinds)
     assert runs >= 5 and runs > kinds, plan.runs()  # alternating kinds: many runs of one kind
-    program = StageProgram(model, plan.pattern, passes=1)
+    program = StageProgram(model, plan.pattern, passes=1, loop="switched")
     params, valid = stage_inputs(model, plan, 0)
 
     def loss(params, x):
@@ -201,12 +201,13 @@ def test_a_hybrid_stage_is_one_scan_over_its_slots(hybrid):
     assert scans_with_switch(jax.make_jaxpr(jax.grad(loss))(params, x).jaxpr, kinds) == [len(plan.pattern)] * 2
 
 
+@pytest.mark.parametrize("loop", ["runs", "switched"])
 @pytest.mark.parametrize("repeats,counts", [(1, (5, 3)), (2, (3, 1, 2, 2))], ids=["gpipe_5_3", "interleaved_3_1_2_2"])
-def test_every_stage_of_an_uneven_split_equals_its_layers_one_by_one(hybrid, repeats, counts):
+def test_every_stage_of_an_uneven_split_equals_its_layers_one_by_one(hybrid, repeats, counts, loop):
     model, inputs = hybrid
     plan = plan_stages(layer_sequence(model), stages=2, repeats=repeats, counts=counts)
     assert sum(sum(p) for p in plan.padding().values()) > 0  # padding slots in play
-    program = StageProgram(model, plan.pattern, passes=repeats)
+    program = StageProgram(model, plan.pattern, passes=repeats, loop=loop)
     run = jax.jit(lambda params, valid, repeat: program(params, valid, repeat, *inputs))
     for stage in range(2):
         params, valid = stage_inputs(model, plan, stage)
