@@ -179,11 +179,12 @@ def test_cache_sizes_per_kind(imported):
         assert [sizes[m]["attention"]["k"].shape[2] for m in (32, 4096)] == [32, 4096]
 
 
+# the hybrid alone: it covers the Mamba layers and the pattern's cache threading
+@pytest.mark.parametrize("imported", ["nemotron_h"], indirect=True)
 def test_hybrid_on_data2_tensor2_generates_the_one_device_tokens(imported):
     """Nemotron-H under data=2 x tensor=2: the same greedy tokens; the Mamba state split over
     `tensor` on its heads and over `data` on the batch, like the weights and activations."""
-    if imported.family != "nemotron_h":
-        pytest.skip("the hybrid covers the Mamba layers and the pattern's cache threading")
+    assert imported.family == "nemotron_h"
     from jaxtrain import hf
     from jaxtrain.generate import Engine
     from jaxtrain.generate.engine import left_pad
