@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.extend
 import numpy as np
 from flax import nnx
 
@@ -99,3 +100,15 @@ def assert_trees_close(a, b, rtol, atol=0.0):
 
 def with_train(**kw) -> TrainConfig:
     return dataclasses.replace(TINY_TRAIN, **kw)
+
+
+def jaxpr_shapes(jaxpr):
+    """Every equation output's shape in a jaxpr and in the jaxprs nested in its equations."""
+    for eqn in jaxpr.eqns:
+        yield from (tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from jaxpr_shapes(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from jaxpr_shapes(sub)

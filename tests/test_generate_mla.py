@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import jaxpr_shapes
 from flax import nnx
 
 from jaxtrain.generate.compiles import count_compiles
@@ -74,18 +75,6 @@ def test_prefill_then_decode_equals_training_forward(q_lora_rank, attention):
     assert compiled["<lambda>"] == 1  # one compile for every step
 
 
-def _shapes(jaxpr):
-    """Every intermediate's shape in a jaxpr and the jaxprs nested in its equations."""
-    for eqn in jaxpr.eqns:
-        yield from (v.aval.shape for v in eqn.outvars if hasattr(v.aval, "shape"))
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    yield from _shapes(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    yield from _shapes(sub)
-
-
 def test_decode_never_forms_per_head_context_keys():
     """Decode's work over the context is against the latent: no [b, max_len, heads, *] array
     (nor any other layout of per-head, per-entry values wider than one score) in its program."""
@@ -95,7 +84,7 @@ def test_decode_never_forms_per_head_context_keys():
     x = jnp.zeros((BATCH, 1, EMBED))
     jaxpr = jax.make_jaxpr(lambda x, cache: nnx.merge(graphdef, state).decode(
         x, jnp.zeros((BATCH, 1), jnp.int32), cache, jnp.int32(PROMPT), jnp.asarray(VALID_FROM)))(x, cache)
-    shapes = list(_shapes(jaxpr.jaxpr))
+    shapes = list(jaxpr_shapes(jaxpr.jaxpr))
     assert (BATCH, HEADS, MAX_LEN) in shapes  # a block's scores (one block spans this 13-entry cache)
     per_head_context = [s for s in shapes if MAX_LEN in s and HEADS in s
                         and np.prod(s) > BATCH * MAX_LEN * HEADS]
@@ -239,7 +228,7 @@ def test_deepseek_decode_step_forms_no_per_head_context_keys(tiny_hf):
     jaxpr = jax.make_jaxpr(lambda state, cache: engine._decode_fn(
         state, cache, jnp.zeros(batch, jnp.int32), jnp.int32(20), jnp.zeros(batch, jnp.int32), jax.random.key(0),
         sampling=Sampling()))(engine.state, cache)
-    shapes = list(_shapes(jaxpr.jaxpr))
+    shapes = list(jaxpr_shapes(jaxpr.jaxpr))
     assert (batch, HEADS, max_len) in shapes  # a block's scores (one block spans this 48-entry cache)
     per_head_context = [s for s in shapes if max_len in s and HEADS in s and np.prod(s) > batch * max_len * HEADS]
     assert not per_head_context, f"decode materializes per-head values over the context: {per_head_context}"

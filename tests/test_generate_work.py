@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import jaxpr_shapes
 from flax import nnx
 
 from models.layers.attention_impl import BlockwiseAttention
@@ -95,18 +96,6 @@ def tiny_hybrid(block):
                                attention=BlockwiseAttention(decode_block=block))
 
 
-def _shapes(jaxpr):
-    """Every equation output's shape in a jaxpr and in the jaxprs nested in it."""
-    for eqn in jaxpr.eqns:
-        yield from (tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    yield from _shapes(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    yield from _shapes(sub)
-
-
 @pytest.mark.parametrize("family", ["llama", "nemotron_h"], ids=["layer-stack", "pattern-stack"])
 def test_decode_step_holds_nothing_max_len_wide_but_the_caches(family):
     """The whole decode step as the engine jits it: the only arrays spanning max_len are the
@@ -123,7 +112,7 @@ def test_decode_step_holds_nothing_max_len_wide_but_the_caches(family):
     jaxpr = jax.make_jaxpr(lambda state, cache: engine._decode_fn(
         state, cache, jnp.zeros(batch, jnp.int32), jnp.int32(40), jnp.zeros(batch, jnp.int32), jax.random.key(0),
         sampling=Sampling()))(engine.state, cache)
-    shapes = set(_shapes(jaxpr.jaxpr))
+    shapes = set(jaxpr_shapes(jaxpr.jaxpr))
     stacked = {tuple(leaf.shape) for leaf in jax.tree.leaves(cache)}
     wide = {s for s in shapes if max_len in s} - stacked
     assert not wide, f"decode forms max_len-wide arrays besides the stacked caches: {sorted(wide)}"
