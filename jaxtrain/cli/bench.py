@@ -58,8 +58,9 @@ def layout_devices(plan, available=None):
 
 def format_row(name: str, r: dict) -> str:
     coll = r.get("executed", {})
-    coll_text = " ".join(f"{op}:{v['count']}/{v['bytes'] / 2**20:.1f}MiB" for op, v in coll.items() if v["count"])
+    coll_text = " ".join(f"{op}:{_executed_text(v)}" for op, v in coll.items() if v["count"])
     total = sum(v["bytes"] for v in coll.values())
+    least = sum(v.get("min_bytes", v["bytes"]) for v in coll.values())
     fields = [f"{name:<34}"]
     if "step_time_s" in r:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
@@ -70,9 +71,19 @@ def format_row(name: str, r: dict) -> str:
                f"temp {r.get('temp_gb', 0):.3f} GB", f"compile {r['compile_s']:.1f}s"]
     typed = " ".join(f"{op}:{dtype}:{v['count']}/{v['bytes'] / 2**20:.1f}MiB"
                      for (op, dtype), v in sorted(r.get("partitioned", {}).items()))
-    return " | ".join(fields) + (f"\n{'':<34}   collectives per step {total / 2**30:.2f} GiB: {coll_text}"
+    total_text = f"{total / 2**30:.2f}" if least == total else f"{least / 2**30:.2f}..{total / 2**30:.2f}"
+    return " | ".join(fields) + (f"\n{'':<34}   collectives per step {total_text} GiB: {coll_text}"
                                  if coll_text else "") + (
         f"\n{'':<34}   as partitioned (each instruction once, before XLA:CPU widens bf16): {typed}" if typed else "") + (f"\n{'':<34}   {r['sharding_audit']}" if "sharding_audit" in r else "")
+
+
+def _executed_text(v: dict) -> str:
+    """count/MiB of one op per step; "least..most" where a branch the data chooses (the
+    non-finite guard's update) holds collectives (jaxtrain/observe/hlo_stats.py)."""
+    lo_count, lo_bytes = v.get("min_count", v["count"]), v.get("min_bytes", v["bytes"])
+    if (lo_count, lo_bytes) == (v["count"], v["bytes"]):
+        return f"{v['count']}/{v['bytes'] / 2**20:.1f}MiB"
+    return f"{lo_count}..{v['count']}/{lo_bytes / 2**20:.1f}..{v['bytes'] / 2**20:.1f}MiB"
 
 
 def json_record(spec: str, exp, plan, r: dict | None, error: str | None = None) -> dict:
@@ -90,7 +101,8 @@ def json_record(spec: str, exp, plan, r: dict | None, error: str | None = None) 
         record["error"] = error
     else:
         record.update({k: v for k, v in r.items() if k not in ("collectives", "executed", "partitioned", "sharding_audit")})
-        record["collective_bytes"] = sum(v["bytes"] for v in r.get("executed", {}).values())
+        record["collective_bytes"] = sum(v["bytes"] for v in r.get("executed", {}).values())  # the most
+        record["collective_bytes_min"] = sum(v.get("min_bytes", v["bytes"]) for v in r.get("executed", {}).values())
     return record
 
 

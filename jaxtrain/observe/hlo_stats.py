@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import re
 
+from jaxtrain.observe.hlo_branches import branch_histogram
+from jaxtrain.observe.hlo_module import parse_module
+
 COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 _DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1,
                 "s64": 8, "u64": 8, "s16": 2, "u16": 2, "f8e4m3fn": 1, "f8e5m2": 1}
@@ -43,64 +46,102 @@ def collective_stats(hlo_text: str) -> dict[str, dict[str, int]]:
     return stats
 
 
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s*\(")
-_CALLEE = re.compile(r"(?:calls|to_apply|condition|true_computation|false_computation)=%(?P<name>[\w.\-]+)")
-_BODY = re.compile(r"body=%(?P<name>[\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
-
-
 def executed_collective_stats(hlo_text: str) -> dict[str, dict[str, int]]:
     """Like `collective_stats`, but every instruction counted as often as it runs: a collective
     in a loop body (a layer scan, the context ring) counts once per trip, nested loops multiply.
-    Loops without a known trip count count once; every branch of a conditional counts each time
-    it could run (which runs is decided at run time): a `lax.switch` over layer kinds inside a
-    layer scan (models/layers/pattern_stack.py) is overcounted by about the number of kinds."""
-    bodies: dict[str, list[str]] = {}
-    entry, current = None, None
-    for line in hlo_text.splitlines():
-        header = _HEADER.match(line)
-        if header and line.rstrip().endswith("{"):
-            current = header.group("name")
-            bodies[current] = []
-            if line.startswith("ENTRY"):
-                entry = current
-        elif current is not None:
-            bodies[current].append(line)
-    calls: dict[str, list[tuple[str, int]]] = {name: [] for name in bodies}
-    for name, lines in bodies.items():
-        for line in lines:
-            trip = _TRIP.search(line)
-            for m in _BODY.finditer(line):
-                calls[name].append((m.group("name"), int(trip.group("n")) if trip else 1))
-            for m in _CALLEE.finditer(line):
-                calls[name].append((m.group("name"), 1))
-            for m in _BRANCHES.finditer(line):
-                calls[name] += [(n.strip().lstrip("%"), 1) for n in m.group("names").split(",") if n.strip()]
-    # Callers before callees (HLO call graphs are acyclic), then push run counts down.
-    order, seen = [], set()
+    Loops without a known trip count count once.
 
-    def post(name: str) -> None:
-        seen.add(name)
-        for callee, _ in calls.get(name, ()):
-            if callee not in seen:
-                post(callee)
-        order.append(name)
+    A conditional runs one branch. Where the program fixes which (a `lax.switch` on a constant
+    kind per layer inside a layer scan, and the backward loop's stacked copy of it:
+    hlo_branches.py), each branch counts as often as it runs. Where the data decides (the
+    non-finite guard's `lax.cond`), the step's count is a range: "count"/"bytes" are the most
+    (the largest branch each time), "min_count"/"min_bytes" the least; they are equal when no
+    conditional is left open."""
+    module = parse_module(hlo_text)
+    if module.entry is None:
+        return {op: _exact(0, 0) for op in COLLECTIVES}
+    memo: dict[str, _Tally] = {}
+    total = _computation_tally(module, module.entry, memo)
+    return {op: {"count": total.hi[op][0], "bytes": total.hi[op][1],
+                 "min_count": total.lo[op][0], "min_bytes": total.lo[op][1]} for op in COLLECTIVES}
 
-    post(entry)
-    times = {name: 0 for name in order}
-    times[entry] = 1
-    for name in reversed(order):
-        for callee, trips in calls.get(name, ()):
-            times[callee] += times[name] * trips
-    stats = {op: {"count": 0, "bytes": 0} for op in COLLECTIVES}
-    for name, lines in bodies.items():
-        for line in lines:
-            found = _collective(line)
-            if found:
-                stats[found[0]]["count"] += times.get(name, 0)
-                stats[found[0]]["bytes"] += times.get(name, 0) * found[1]
-    return stats
+
+def _exact(count: int, nbytes: int) -> dict[str, int]:
+    return {"count": count, "bytes": nbytes, "min_count": count, "min_bytes": nbytes}
+
+
+class _Tally:
+    """Executed (count, bytes) per collective op, as a range: lo (the least) and hi (the most)."""
+
+    def __init__(self):
+        self.lo = {op: [0, 0] for op in COLLECTIVES}
+        self.hi = {op: [0, 0] for op in COLLECTIVES}
+
+    def add(self, other: "_Tally", times: int = 1) -> None:
+        for side, theirs in ((self.lo, other.lo), (self.hi, other.hi)):
+            for op in COLLECTIVES:
+                side[op][0] += times * theirs[op][0]
+                side[op][1] += times * theirs[op][1]
+
+    @staticmethod
+    def either(options: list["_Tally"]) -> "_Tally":
+        """One of `options` runs: the least and the most of them, per op and per figure."""
+        out = _Tally()
+        for op in COLLECTIVES:
+            for k in (0, 1):
+                out.lo[op][k] = min(t.lo[op][k] for t in options)
+                out.hi[op][k] = max(t.hi[op][k] for t in options)
+        return out
+
+
+def _computation_tally(module, name: str, memo: dict, static: frozenset = frozenset()) -> _Tally:
+    """What one run of computation `name` executes; conditionals named in `static` are left out
+    (their enclosing loop counts them by branch)."""
+    key = (name, static)
+    if key in memo:
+        return memo[key]
+    tally = _Tally()
+    computation = module.computations.get(name)
+    for instr in (computation.instructions.values() if computation else ()):
+        found = _collective(instr.line)
+        if found:
+            for side in (tally.lo, tally.hi):
+                side[found[0]][0] += 1
+                side[found[0]][1] += found[1]
+        if instr.op == "while":
+            tally.add(_loop_tally(module, instr, memo))
+            condition = instr.callee("condition")
+            if condition:
+                tally.add(_computation_tally(module, condition, memo))
+        elif instr.op == "conditional":
+            if instr.name not in static:
+                tally.add(_Tally.either([_computation_tally(module, b, memo) for b in instr.branches()]))
+        else:
+            for _, callee in instr.callees():
+                tally.add(_computation_tally(module, callee, memo))
+    memo[key] = tally
+    return tally
+
+
+def _loop_tally(module, loop, memo: dict) -> _Tally:
+    """All trips of a while loop: the body times its trips, each conditional whose branches the
+    program fixes counted by branch (hlo_branches.branch_histogram)."""
+    body_name, trips = loop.callee("body"), loop.trip_count or 1
+    body = module.computations.get(body_name)
+    if body is None:
+        return _Tally()
+    fixed = {}
+    for instr in body.instructions.values():
+        if instr.op == "conditional":
+            runs = branch_histogram(module, body, instr, loop.trip_count)
+            if runs is not None:
+                fixed[instr.name] = (instr, runs)
+    tally = _Tally()
+    tally.add(_computation_tally(module, body_name, memo, frozenset(fixed)), trips)
+    for instr, runs in fixed.values():
+        for branch, n in zip(instr.branches(), runs):
+            tally.add(_computation_tally(module, branch, memo), int(n))
+    return tally
 
 
 def compile_with_partitioned_hlo(lowered):
