@@ -17,6 +17,7 @@ from flax import nnx
 
 from meshes.rules import constrain
 from meshes.context_attention import gather_sequence
+from meshes.context_layout import context_size
 from meshes.weight_gather import cast_for_use
 from models.layers.attention_impl import AutoAttention
 from models.layers.decode_attention import decode_block, latent_decode
@@ -102,27 +103,38 @@ class MultiHeadLatentAttention(nnx.Module):
     def _forward(self, x, positions, segment_ids):
         """The training forward; also returns the latent and rotary key it computed (prefill caches them)."""
         q = self._queries(x, positions)
-        # Under context parallelism only the compressed latent and the shared rotary key cross
-        # the network (kv_lora + rope values per token); every rank up-projects the whole
-        # sequence's keys and values locally instead of receiving per-head ones. Per-device
-        # strategies do it a chunk of keys at a time inside the attention, so the whole
-        # sequence's per-head keys never exist; the materialized reference up-projects here.
         local_latent, local_k_rope = self._latent_and_rope_key(x, positions)
-        latent = gather_sequence(local_latent, ("batch", "length", "kv_lora"))
-        k_rope = gather_sequence(local_k_rope, ("batch", "length", None))[:, :, None, :]  # one for all heads
         up = self.kv_up
-        if self.attention.takes_latent:  # up-projected a chunk at a time inside the attention
+        if self.attention.takes_latent and context_size() == 1:
+            # Per-device strategies up-project the latent a chunk at a time inside the attention,
+            # so the sequence's per-head keys never exist at once.
             w_up = cast_for_use(up.kernel[...], logical_axes(up.kernel)[-3:], up.dtype)  # bf16 before any gather
-            out = self.attention.latent(q, latent.astype(up.dtype), k_rope[:, :, 0, :], w_up,
+            out = self.attention.latent(q, local_latent.astype(up.dtype), local_k_rope, w_up,
                                         segment_ids, nope=self.nope, scale=self.softmax_scale)
             return self.o(out), local_latent, local_k_rope
-        whole = ("batch", None, "heads", None)  # the sequence whole: keys for every query of this rank
-        kv = constrain(up(latent), whole)
-        k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
-        k_rope = jnp.broadcast_to(k_rope, k_nope.shape[:-1] + k_rope.shape[-1:])
-        k = constrain(jnp.concatenate([k_nope, k_rope.astype(k_nope.dtype)], axis=-1), whole)
+        if self.attention.takes_latent:
+            # Under context parallelism each rank up-projects its own tokens only and the context
+            # exchange (ring by default) moves per-head keys/values a block at a time. Gathering
+            # the latent instead made every rank up-project the whole sequence: (C - 1) / C of
+            # the up-projection's work replicated, the largest cost of the 4-axis tiny DeepSeek
+            # step (35% of its device time, profiled; README, issue 26.5).
+            k, v = self._keys_values(up(local_latent), local_k_rope)
+            out = self.attention(q, k, v, segment_ids, scale=self.softmax_scale, kv_head_name="heads")
+            return self.o(out), local_latent, local_k_rope
+        # The materialized reference: the whole sequence's keys for every query of this rank.
+        latent = gather_sequence(local_latent, ("batch", "length", "kv_lora"))
+        k_rope = gather_sequence(local_k_rope, ("batch", "length", None))
+        k, v = self._keys_values(up(latent), k_rope, ("batch", None, "heads", None))
         out = self.attention(q, k, v, segment_ids, scale=self.softmax_scale, kv_whole=True, kv_head_name="heads")
         return self.o(out), local_latent, local_k_rope
+
+    def _keys_values(self, kv, k_rope, names=PER_HEAD):
+        """Per-head keys [.., nope | rope] and values from the up-projected latent kv [b, l, h,
+        nope + v] and the rotary key [b, l, rope] every head shares."""
+        kv = constrain(kv, names)
+        k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
+        k_rope = jnp.broadcast_to(k_rope[:, :, None, :], k_nope.shape[:-1] + k_rope.shape[-1:])
+        return constrain(jnp.concatenate([k_nope, k_rope.astype(k_nope.dtype)], axis=-1), names), v
 
     # -- generation (models/layers/decode_cache.py) ---------------------------------------------
     def init_cache(self, batch: int, max_len: int, dtype) -> dict:
