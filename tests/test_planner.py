@@ -176,9 +176,11 @@ def test_devices_that_do_not_add_up_are_refused(tmp_path):
 
 def test_a_model_that_fits_no_layout_is_told_how_far_it_is():
     from models.llama import LlamaConfig
-    big = LlamaConfig(vocab_size=128256, embed=4096, layers=32, heads=32, kv_heads=8, mlp=14336, dtype="bfloat16")
+    # ~31 B parameters: float32 parameters and their gradients alone are ~124 GB per A100 of two
+    # (even with the moments in host memory; Llama-3-8B fits since the update holds one copy, not three)
+    big = LlamaConfig(vocab_size=128256, embed=4096, layers=128, heads=32, kv_heads=8, mlp=14336, dtype="bfloat16")
     planner = _planner(big, devices=2, device="A100", global_batch=8, seq_len=4096, loss_chunk=1024)
-    ranked = planner.rank(candidates(2, devices_per_node=8, layers=32, seq_len=4096, global_batch=8,
+    ranked = planner.rank(candidates(2, devices_per_node=8, layers=128, seq_len=4096, global_batch=8,
                                      has_experts=False))
     assert ranked and not any(e.fits for e in ranked)
     with pytest.raises(NoLayoutFits) as err:

@@ -14,9 +14,14 @@
                       reduce-scatter; a MoE layer's [slots, embed] un-sort buffers (platform)
                     the head: embedding / LM head weights gathered, their gradients, and one
                       loss chunk of float32 logits (logits, softmax, their gradient)
-      update    = the new parameters and both new Adam moments, all held until the step knows
-                  whether they are finite (jaxtrain/training/step.py keeps the old state
-                  otherwise), each laid out like the optimizer state
+      update    = what the guarded update (jaxtrain/training/guarded_update.py) holds: the
+                  finite check is reductions only, then AdamW runs under `lax.cond` over the
+                  donated state (update_phase below): the new parameters are the conditional's
+                  own result, copied over the old ones afterwards, so a parameter laid out like
+                  its optimizer state (dp, FSDP) is held twice for a moment; one whose optimizer
+                  state is split further (ZeRO-1) leaves the conditional on the optimizer layout
+                  and is gathered leaf by leaf: the largest such leaf, gathered and not yet
+                  copied, beside its value on the optimizer layout
 
       pipeline  the stage program keeps every microbatch's saved activations for each tick it
                 is in flight (GPipe: M + S - 1 ticks' inputs per stage) instead of one batch's
@@ -217,6 +222,22 @@ def _expert_hidden(expert_leaves, embed: int) -> int:
     return embed
 
 
+def update_phase(leaves) -> float:
+    """Temp bytes of the guarded optimizer update (module docstring), as XLA compiles it:
+    `python benchmarks/update_memory.py --gin_file=configs/llama3_8b.gin --layout L` (GiB per
+    device): data=16,rules=fsdp 1.87 = the parameters (1.00 moment); data=4,tensor=4,rules=dp
+    7.48 = the parameters; data=4,tensor=4,rules=zero1 2.31 = an MLP weight gathered to its
+    tensor-only layout (1.75) + its optimizer-layout copy (0.44) + the next leaf's start (0.12);
+    data=16,rules=zero1 7.94 = 7.00 + 0.44 + 0.50. Not modelled: ZeRO-1 without gradient
+    clipping (`OptimizerConfig.clip_norm=None`) holds every gathered leaf at once (4.00 moments
+    for data=4,tensor=4, the parameters' size)."""
+    split_further = [leaf for leaf in leaves
+                     if leaf.optimizer_bytes_per_device * leaf.itemsize < leaf.bytes_per_device * F32]
+    new_params = sum(leaf.bytes_per_device for leaf in leaves if leaf not in split_further)
+    gathered = max((leaf.bytes_per_device + leaf.optimizer_bytes_per_device for leaf in split_further), default=0.0)
+    return new_params + gathered
+
+
 def estimate_memory(profile: ModelProfile, state: StateBytes, *, policy: str, sizes: dict[str, int],
                     rules_name: str, global_batch: int, seq_len: int, microbatches: int, loss_chunk: int,
                     platform: Platform = GPU, pipeline_ticks: int = 0, pipeline_passes: int = 1,
@@ -278,7 +299,7 @@ def estimate_memory(profile: ModelProfile, state: StateBytes, *, policy: str, si
     head = head_weights + unreduced_gradients(other_leaves) + logits
 
     backward = saved + gradients + max(layer_backward, head)
-    update = 3 * moment
+    update = update_phase(state.leaves)
     batch = BATCH_ARRAYS * 4 * global_batch * seq_len / (data_parallel * sizes["context"])
     return MemoryEstimate(params=state.params, optimizer=state.optimizer, optimizer_host=state.optimizer_host,
                           batch=batch, saved_activations=saved, gradients=gradients, layer_backward=layer_backward,
