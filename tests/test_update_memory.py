@@ -45,7 +45,7 @@ def _temp_and_moment(layout: str):
                               OptimizerConfig())
     abstract, shardings = setup.state.abstract, setup.state.shardings
     update = make_update(setup.state.graphdef, setup.tx, setup.lr_schedule, rules=setup.rules,
-                         opt_state_shardings=_item(shardings, "opt_state"))
+                         opt_state_shardings=_item(shardings, "opt_state"), params_shardings=_item(shardings, "params"))
     replicated = NamedSharding(setup.mesh, PartitionSpec())
     scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
     grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding),

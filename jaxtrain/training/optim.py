@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from jaxtrain.training.state import map_with_path
@@ -60,5 +62,19 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int, roles: dict | None = 
     adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                         weight_decay=cfg.weight_decay, mask=_role_mask(roles, ("decay",)))
     frozen = optax.masked(optax.set_to_zero(), _role_mask(roles, ("frozen",)))
-    clip = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm else []
+    clip = [clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm else []
     return optax.chain(*clip, adamw, frozen), schedule
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """Global-norm clipping (Pascanu et al. 2012; optax.clip_by_global_norm's rule and state)
+    that takes the norm the train step already reduced (`tx.update(..., global_norm=n)`): computed
+    here it would be one more all-reduce per leaf group, twice a step (the non-finite guard runs
+    the update twice). Without it, the norm of `updates`."""
+    def update_fn(updates, state, params=None, *, global_norm=None, **extra_args):
+        del params, extra_args
+        norm = optax.tree.norm(updates) if global_norm is None else global_norm
+        keep = jnp.squeeze(norm < max_norm)
+        return jax.tree.map(lambda t: jax.lax.select(keep, t, (t / norm.astype(t.dtype)) * max_norm), updates), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)

@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtrain.microbatching import ROW, split_microbatches, training_loss
 from jaxtrain.training.guarded_update import guarded_step
 from meshes.context_layout import ContextParallel, to_device_order, use_context_parallel
+from meshes.leaf_sums import leaf_sums, squares
 from meshes.rules import RuleSet, named_sharding, use_rules
 from models.layers.aux_outputs import aux_metrics, has_after_update
 
@@ -86,12 +87,19 @@ def loss_tokens(count):
     return jnp.maximum(count, 1.0)
 
 
-def make_update(graphdef, tx, schedule, *, rules: RuleSet, opt_state_shardings):
+def make_update(graphdef, tx, schedule, *, rules: RuleSet, opt_state_shardings, params_shardings=None):
     """The second half of every train step: `update(state, grads, sums, aux, total_tokens,
     aux_metrics) -> (new state, metrics)` applies the optimizer to the whole batch's gradient,
     runs the layers' post-update, keeps the old state if anything is not finite, and computes the
     step's metrics. Shared by the one-program step (make_train_step) and the step over device
-    groups (jaxtrain/training/group_step.py). Call it under `use_rules` of the state's mesh."""
+    groups (jaxtrain/training/group_step.py). Call it under `use_rules` of the state's mesh.
+
+    `params_shardings`: the parameters' (and so the gradients') layouts. With them the step's
+    per-leaf reductions (gradient norm, non-finite check, parameter norm) run as one collective
+    each (meshes/leaf_sums.py) instead of one per leaf group; the optimizer's clip takes the
+    gradient norm from here (optim.clip_by_global_norm) rather than reducing it again."""
+    tx = optax.with_extra_args_support(tx)
+    sum_leaves = lambda local_sum, tree: leaf_sums(local_sum, tree, params_shardings)
     # Optimizer state kept in host memory (rules `+opt_host`) comes to the device for the update;
     # the step's out_shardings write the new state back (XLA moves each leaf as its update needs it).
     if rules.optimizer_memory == "device":
@@ -102,7 +110,7 @@ def make_update(graphdef, tx, schedule, *, rules: RuleSet, opt_state_shardings):
 
     def update(state, grads, sums, aux, total_tokens, aux_metrics: dict):
         def apply(params, opt_state, grads):
-            updates, opt_state = tx.update(grads, opt_state, params)
+            updates, opt_state = tx.update(grads, opt_state, params, global_norm=grad_norm)
             new_params = optax.apply_updates(params, updates)
             if has_after_update(aux):  # e.g. the MoE routers' correction biases follow the load
                 # aux is laid out like the params (canonical stacks, or pipeline stages: the
@@ -113,7 +121,7 @@ def make_update(graphdef, tx, schedule, *, rules: RuleSet, opt_state_shardings):
             return new_params, opt_state
 
         nll, z, correct = sums
-        grad_squares = jnp.stack([jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)])
+        grad_squares = sum_leaves(squares, grads)
         grad_norm = jnp.sqrt(grad_squares.sum())
         loss = nll / total_tokens
         # A finite gradient norm bounds every gradient element, and so Adam's moments; with the
@@ -122,7 +130,8 @@ def make_update(graphdef, tx, schedule, *, rules: RuleSet, opt_state_shardings):
         # checked before the update so the old and new state are never held together
         # (jaxtrain/training/guarded_update.py).
         new_params, new_opt_state, param_norm, finite = guarded_step(
-            apply, state.params, to_device(state.opt_state), grads, jnp.isfinite(loss) & jnp.isfinite(grad_norm))
+            apply, state.params, to_device(state.opt_state), grads, jnp.isfinite(loss) & jnp.isfinite(grad_norm),
+            sum_leaves=sum_leaves)
         metrics = {
             "loss": loss,
             "z_loss": z / total_tokens,
@@ -148,7 +157,8 @@ def make_train_step(graphdef, tx, schedule, gradients, *, mesh, rules: RuleSet, 
     """`gradients`: how the batch's gradient is computed (AccumulatedGradients, or
     jaxtrain/pipeline/gradients.py PipelinedGradients); `context_parallel`: the sequence layout
     and K/V exchange over the `context` axis."""
-    update = make_update(graphdef, tx, schedule, rules=rules, opt_state_shardings=state_shardings.opt_state)
+    update = make_update(graphdef, tx, schedule, rules=rules, opt_state_shardings=state_shardings.opt_state,
+                         params_shardings=state_shardings.params)
 
     def step(state, batch):
         with use_rules(mesh, rules), use_context_parallel(context_parallel):
