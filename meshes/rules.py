@@ -261,7 +261,8 @@ def _expert_tensor_parallel(table: Table) -> Table:
 OVERLAYS = {"experts_folded": _fold_experts, "expert_tp": _expert_tensor_parallel}
 # Overlays of the whole rule set rather than of a table.
 SET_OVERLAYS = {"opt_host": lambda rules: dataclasses.replace(rules, optimizer_memory="pinned_host"),
-                "gather_bf16": lambda rules: dataclasses.replace(rules, weight_gather="cast_then_gather")}
+                "gather_bf16": lambda rules: dataclasses.replace(rules, weight_gather="cast_then_gather"),
+                "cast_where_used": lambda rules: dataclasses.replace(rules, weight_gather="cast_where_used")}
 
 
 def get_rule_set(name: str) -> RuleSet:
