@@ -1,6 +1,6 @@
 """MLA attention over a chunk-wise up-projected latent (meshes/latent_attention.py): the same
-values and gradients as up-projecting the whole sequence first, alone and inside MLA under
-context parallelism."""
+values and gradients as up-projecting the whole sequence first, alone and inside MLA; under
+context parallelism MLA up-projects each rank's own tokens and rings per-head keys/values."""
 from __future__ import annotations
 
 import functools
@@ -119,8 +119,8 @@ def mla_loss(graphdef, positions, seg, weights):
 
 @functools.lru_cache(maxsize=None)
 def mla_context_parallel():
-    """MLA (BlockwiseAttention: the chunked latent path) on data x context x tensor = 2 x 2 x 2,
-    zigzag layout: (y, (d params, d x)) in the original order and the compiled step's HLO."""
+    """MLA (BlockwiseAttention: each rank's own keys over the context ring) on data x context x
+    tensor = 2 x 2 x 2, zigzag layout: (y, (d params, d x)) in the original order and the compiled step's HLO."""
     graphdef, params = mla_params(BlockwiseAttention(block_q=8, block_k=8))
     x, seg, positions, weights = mla_inputs()
     mesh = build_mesh(MLA_MESH, jax.devices()[:MLA_MESH.fixed_device_count()])
@@ -136,8 +136,8 @@ def mla_context_parallel():
 
 
 def test_mla_latent_path_under_context_parallel_equals_materialized():
-    """MLA with BlockwiseAttention (chunked latent path) on a data x context x tensor mesh, zigzag
-    layout, equals MaterializedAttention on one device: outputs and every gradient."""
+    """MLA with BlockwiseAttention on a data x context x tensor mesh, zigzag layout, equals
+    MaterializedAttention on one device: outputs and every gradient."""
     graphdef_ref, params = mla_params(MaterializedAttention())
     graphdef, _ = mla_params(BlockwiseAttention(block_q=8, block_k=8))
     x, seg, positions, weights = mla_inputs()
@@ -172,3 +172,22 @@ def test_mla_never_holds_per_head_keys_for_the_whole_sequence():
     assert chunk_kv & shapes, "the chunk's keys/values are not where this test looks"
     whole = {(batch, LENGTH, heads, w) for w in per_head} | {(batch, heads, LENGTH, w) for w in per_head}
     assert not whole & shapes, f"per-head keys/values over the whole sequence: {sorted(whole & shapes)}"
+
+
+def test_mla_context_ranks_up_project_only_their_own_tokens():
+    """Under context parallelism each rank up-projects its own tokens' latent and the per-head
+    keys/values travel the context ring; gathering the latent made every rank up-project the
+    whole sequence ((C - 1) / C of that work replicated: issue 26.5). Per device the compiled step
+    holds the latent of a rank's length only, never the whole sequence's, and moves per-head
+    key blocks by collective-permute."""
+    batch, heads, length = 2 // MLA_MESH.data, HEADS // MLA_MESH.tensor, LENGTH // MLA_MESH.context
+    text = mla_context_parallel()[2]
+    # The forward's instructions (the backward's weight gradient may gather activations: XLA's
+    # choice for a weight replicated over the data axes, also without context parallelism).
+    forward = [line for line in text.splitlines() if "op_name=" in line and "transpose(" not in line]
+    shapes = {tuple(int(d) for d in dims.split(",")) for line in forward for dims in _ARRAY.findall(line)}
+    assert (batch, length, KV_LORA) in shapes, "the rank's latent is not where this test looks"
+    assert (batch, LENGTH, KV_LORA) not in shapes, "a whole-sequence latent on a device: up-projected by every rank"
+    permuted = {tuple(int(d) for d in dims.split(",")) for line in text.splitlines()
+                if re.search(r"collective-permute(-start)?\(", line) for dims in _ARRAY.findall(line.split("(")[0])}
+    assert (batch, length, heads, NOPE + ROPE) in permuted, sorted(permuted)
