@@ -96,9 +96,14 @@ class StageProgram:
         # loop="runs" (what training runs): each run of one kind is a scan of its own, the weights
         # the scan's input. loop="switched": one scan over the slots with a switch on the kind,
         # which compiles one layer of each kind however they alternate (Nemotron-shaped reference
-        # layout 430 -> 28-45 s) but slices every kind's layer at every slot and accumulates each
-        # kind's stacked gradient per step: XLA temp 18 -> 97 GiB on V2-Lite pipeline=2, 2.1 -> 3.9
-        # GiB on a pipelined hybrid under remat full; the planner does not model it yet.
+        # layout 430 -> 28-45 s) but holds more where it matters (benchmarks/stage_loop_memory.py
+        # compiles both; README, pipeline section): under remat none/dots the switch keeps every
+        # kind's residuals at every slot (tests/test_layer_scan.py counts it); under `full` the
+        # traced stage keeps what run by run keeps, yet in the pipelined step the tick-invariant
+        # part of the slot scan is hoisted out of the tick loop with every kind's per-slot values
+        # (MoE uint32 scatter ids, attention-sized arrays): XLA temp 71.7 -> 106.9 MiB on a
+        # Mamba/MoE/attention hybrid at width 256. Stages whose kinds do not alternate scan run by
+        # run in both loops (V2-Lite's 97 GiB was measured when they did not).
         if loop not in ("runs", "switched"):
             raise ValueError(f"StageProgram loop must be 'runs' or 'switched', got {loop!r}")
         self.by_runs = loop == "runs" or len(self.runs) == len(self.kinds)
