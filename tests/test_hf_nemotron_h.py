@@ -22,7 +22,8 @@ from models.layers.router import RouterConfig
 
 pytestmark = [pytest.mark.slow]
 
-HF_CONFIG = dict(moe_latent_size=16, mlp_bias=True, use_bias=True, time_step_min=0.6, n_routed_experts=8,
+# dt clamped on both sides (time_step_limit), so that both bounds change the logits
+HF_CONFIG = dict(moe_latent_size=16, mlp_bias=True, use_bias=True, time_step_limit=(0.6, 1.2), n_routed_experts=8,
                  n_group=2, topk_group=1, routed_scaling_factor=2.5)
 
 
@@ -36,7 +37,7 @@ def case(tmp_path_factory):
 def test_config_translated(case):
     _, cfg = hf.read_config(case.dir)
     assert cfg.pattern == ("mamba", "moe", "attention", "mlp", "mamba", "moe")
-    assert (cfg.ssm.groups, cfg.ssm.chunk_size, cfg.ssm.time_step_limit, cfg.ssm.proj_bias) == (2, 6, (0.6, None), True)
+    assert (cfg.ssm.groups, cfg.ssm.chunk_size, cfg.ssm.time_step_limit, cfg.ssm.proj_bias) == (2, 6, (0.6, 1.2), True)
     assert (cfg.moe_latent, cfg.mlp_bias, cfg.shared_expert_mlp, cfg.mlp_activation) == (16, True, 24, "relu2")
     assert cfg.router == RouterConfig(num_experts=8, top_k=2, score_fn="sigmoid", n_group=2, topk_group=1,
                                       norm_topk_prob=True, routed_scaling_factor=2.5, correction_bias=True,
@@ -110,6 +111,5 @@ def test_export_refuses_what_hf_cannot_express(case):
     softmax = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, score_fn="softmax"))
     with pytest.raises(HFConfigError, match="sigmoid with a correction bias"):
         family.config_to_hf(softmax)
-    capped = dataclasses.replace(cfg, ssm=dataclasses.replace(cfg.ssm, time_step_limit=(0.6, 2.0)))
-    with pytest.raises(HFConfigError, match="clamps dt below only"):
-        family.config_to_hf(capped)
+    unbounded = dataclasses.replace(cfg, ssm=dataclasses.replace(cfg.ssm, time_step_limit=(0.0, None)))
+    assert family.config_from_hf(family.config_to_hf(unbounded)).ssm.time_step_limit == (0.0, None)

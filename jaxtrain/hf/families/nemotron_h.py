@@ -1,8 +1,9 @@
 """HF `NemotronHForCausalLM` (model_type "nemotron_h") <-> models/nemotron_h.py.
 
-What transformers (5.x) actually computes, which this mapping follows where the config says
-otherwise:
-* the Mamba mixer clamps dt to [time_step_min, inf) and ignores `time_step_limit`;
+What transformers (5.25 and later: the version pyproject.toml pins) actually computes, which this
+mapping follows where the config says otherwise:
+* the Mamba mixer clamps dt to `time_step_limit` (`time_step_min` only initializes dt's bias);
+  transformers before 5.25 clamped to [time_step_min, inf) instead and ignored `time_step_limit`;
 * attention has no rotary embedding and no biases (`attention_bias`, `rope_theta` are not read);
 * every MoE layer has exactly one shared expert of width moe_shared_expert_intermediate_size
   (`n_shared_experts` is not read), and the router always has its score-correction bias;
@@ -38,7 +39,7 @@ _NO_MATH = ("time_step_max", "time_step_floor", "rescale_prenorm_residual", "use
             "mamba_ssm_cache_dtype", "num_logits_to_keep", "output_router_logits", "moe_shared_expert_overlap",
             "n_shared_experts", "residual_in_fp32", "mamba_proj_bias", "attention_bias",
             "rope_theta", "rope_parameters", "rope_scaling", "partial_rotary_factor", "norm_eps", "expand",
-            "num_hidden_layers", "time_step_limit", "num_nextn_predict_layers", "mtp_layers_block_type",
+            "num_hidden_layers", "num_nextn_predict_layers", "mtp_layers_block_type",
             "mtp_hybrid_override_pattern")
 # The names NVIDIA's remote-code config took (transformers 5 renames them on load) -> today's. Its
 # attention_head_dim is the attention head size (transformers 5 reads only head_dim).
@@ -134,13 +135,13 @@ def config_from_hf(raw: dict, where: str = "config.json") -> NemotronHConfig:
     embed = f.get("hidden_size")
     heads = f.get("num_attention_heads", 32)
     dt_min = float(decode_float(f.get("time_step_min", 0.001)))
+    limit = time_step_limit(f)
     ssm = SSMConfig(
         heads=f.get("mamba_num_heads", 128), head_dim=f.get("mamba_head_dim", 64), state=f.get("ssm_state_size", 128),
         groups=f.get("n_groups", 8), conv_kernel=f.get("conv_kernel", 4), chunk_size=f.get("chunk_size", 128),
-        time_step_limit=(dt_min, None),  # what transformers' mixer applies (see the module docstring)
+        time_step_limit=limit,
         conv_bias=f.get("use_conv_bias", True), proj_bias=f.get("use_bias", False),
         dt_init_range=(dt_min, f.get("time_step_max", 0.1)), dt_init_floor=f.get("time_step_floor", 1e-4))
-    time_step_limit(f)  # validated, though transformers' mixer does not apply it
     latent = f.get("moe_latent_size", None)
     router = RouterConfig(
         num_experts=f.get("n_routed_experts", 8), top_k=f.get("num_experts_per_tok", 2), score_fn="sigmoid",
@@ -170,9 +171,6 @@ def config_to_hf(cfg: NemotronHConfig) -> dict:
         problems.append("every HF Nemotron-H MoE layer has a shared expert (shared_expert_mlp > 0)")
     if cfg.tie_embeddings:
         problems.append("NemotronHForCausalLM does not tie its head to the embeddings (tie_embeddings=False)")
-    if s.time_step_limit[1] is not None:
-        problems.append(f"transformers' Nemotron-H mixer clamps dt below only (ssm.time_step_limit[1] must be None, "
-                        f"got {s.time_step_limit[1]})")
     if problems:
         raise HFConfigError("cannot express this NemotronHConfig in HF's nemotron_h: " + "; ".join(problems))
     return {
@@ -184,8 +182,8 @@ def config_to_hf(cfg: NemotronHConfig) -> dict:
         "mamba_num_heads": s.heads, "mamba_head_dim": s.head_dim, "ssm_state_size": s.state, "n_groups": s.groups,
         "conv_kernel": s.conv_kernel, "chunk_size": s.chunk_size, "use_conv_bias": s.conv_bias,
         "use_bias": s.proj_bias, "mamba_hidden_act": "silu",
-        "time_step_min": s.time_step_limit[0], "time_step_max": s.dt_init_range[1],
-        "time_step_floor": s.dt_init_floor, "time_step_limit": time_step_limit_to_hf((s.time_step_limit[0], None)),
+        "time_step_min": s.dt_init_range[0], "time_step_max": s.dt_init_range[1],
+        "time_step_floor": s.dt_init_floor, "time_step_limit": time_step_limit_to_hf(s.time_step_limit),
         "n_routed_experts": r.num_experts, "num_experts_per_tok": r.top_k, "n_group": r.n_group,
         "topk_group": r.topk_group, "norm_topk_prob": r.norm_topk_prob,
         "routed_scaling_factor": r.routed_scaling_factor,
