@@ -5,12 +5,18 @@ are cast to the compute dtype where they are used. A strategy object, chosen by 
 (`RuleSet.weight_gather`), decides where that cast happens relative to the all-gather and in
 which dtype the weight gradient is reduced:
 
-  CastWhereUsed    (default) `w.astype(dtype)` at the use; XLA's sharding propagation decides
-                   whether the convert runs before or after the gather, and the weight
-                   gradient is reduced in the dtype its matmul produced (bf16 for a bf16 model).
-  CastThenGather   (overlay `+gather_bf16`, PyTorch FSDP2's mixed-precision policy): the weight
-                   is cast on its sharded layout, then gathered (bf16 on the wire), and its
-                   gradient leaves its matmul in float32 and is reduce-scattered in float32.
+  CastWhereUsed    (dp, zero1; overlay `+cast_where_used`) `w.astype(dtype)` at the use; XLA's
+                   sharding propagation decides whether the convert runs before or after the
+                   gather, and the weight gradient is reduced in the dtype its matmul produced
+                   (bf16 for a bf16 model).
+  CastThenGather   (fsdp, fsdp_sp; overlay `+gather_bf16` elsewhere; PyTorch FSDP2's
+                   mixed-precision policy): the weight is cast on its sharded layout, then
+                   gathered (bf16 on the wire), and its gradient leaves its matmul in float32
+                   and is reduce-scattered in float32. The FSDP default by measurement (README
+                   "bf16 FSDP gathers"): fewer bytes moved on MoE/MLA models (their experts,
+                   up-projections and embedding were gathered in float32), less temp, gradients
+                   closer to float32; dense weights' gradient reductions move float32 instead of
+                   bf16.
 
 Where weights are used: `contract` (a dense layer's matmul under SPMD: Dense, the LM head),
 `lookup` (the embedding table), `gather_in_shard_map` (a weight entering a shard_map sharded,
@@ -80,7 +86,9 @@ class CastThenGather:
 
     def gather_in_shard_map(self, w, axes_per_dim, dtype):
         if not any(axes_per_dim) or dtype is None or jnp.dtype(dtype) == w.dtype:
-            return w.astype(dtype)
+            # nothing to cast (a float32 model): gathered as where used (it returned the shard
+            # ungathered, unseen while no float32 run took this path)
+            return CastWhereUsed().gather_in_shard_map(w, axes_per_dim, dtype)
         return _gather_cast_first(w, tuple(axes_per_dim), jnp.dtype(dtype))
 
 

@@ -1,7 +1,8 @@
-"""`+gather_bf16` (meshes/weight_gather.py): FSDP weights cast to bf16 on their sharded layout and
-gathered in bf16, their gradients reduced in float32. Checked on the SPMD-partitioned program
-(XLA:CPU turns every bf16 collective into a float32 one after partitioning), against the
-float32-gather run's gradients and over 20 training steps of tiny Llama and DeepSeek."""
+"""Cast then gather (meshes/weight_gather.py; the FSDP rule sets' default, `+gather_bf16` elsewhere):
+FSDP weights cast to bf16 on their sharded layout and gathered in bf16, their gradients reduced
+in float32. Checked on the SPMD-partitioned program (XLA:CPU turns every bf16 collective into a
+float32 one after partitioning), against the cast-where-used run's gradients (`+cast_where_used`,
+float32 gathers of some weights) and over 20 training steps of tiny Llama and DeepSeek."""
 import dataclasses
 import re
 
@@ -29,12 +30,12 @@ E, D, H, F = 8, 64, 32, 128  # experts, embed, expert hidden, dense hidden
 _COLLECTIVE = re.compile(r"= (?P<dtype>[a-z0-9]+)\[(?P<dims>[0-9,]*)\]\S* (?P<op>all-gather|all-reduce|reduce-scatter)\(")
 
 
-def _layer_program(rules_name: str):
-    """(jitted grad of a Dense + routed experts in bf16 under FSDP over 16 devices, its args)."""
+def _layer_program(rules_name: str, dtype=jnp.bfloat16):
+    """(jitted grad of a Dense + routed experts in `dtype` under FSDP over 16 devices, its args)."""
     mesh, rules = build_mesh(MeshConfig(data=16)), get_rule_set(rules_name)
     rngs = nnx.Rngs(params=jax.random.key(3))
-    dense = Dense((D,), (F,), in_axes=("embed",), out_axes=("mlp",), rngs=rngs, init_std=0.2, dtype=jnp.bfloat16)
-    experts = GatedExperts(E, D, H, rngs=rngs, init_std=0.2, dtype=jnp.bfloat16)
+    dense = Dense((D,), (F,), in_axes=("embed",), out_axes=("mlp",), rngs=rngs, init_std=0.2, dtype=dtype)
+    experts = GatedExperts(E, D, H, rngs=rngs, init_std=0.2, dtype=dtype)
     route = make_route_fn(RouterConfig(num_experts=E, top_k=2), "xla")
 
     graphdef, state = nnx.split(dense)
@@ -44,7 +45,7 @@ def _layer_program(rules_name: str):
         layer = nnx.merge(graphdef, state)
         y = moe_forward(x, logits, None, weights["experts"], WEIGHT_AXES, route=route, num_experts=E, hidden=H,
                         ffn=lambda t, s, w: experts.compute(t, s, w, "xla"), mesh=mesh, rules=rules,
-                        weight_dtype=jnp.bfloat16)[0]
+                        weight_dtype=dtype)[0]
         return jnp.sum(jnp.square(layer(y).astype(jnp.float32)))
 
     names = {"dense": ("embed", "mlp"), **{f"experts/{n}": a for n, a in WEIGHT_AXES.items()}}
@@ -65,7 +66,7 @@ def _layer_program(rules_name: str):
 @pytest.fixture(scope="module")
 def programs():
     out = {}
-    for name in ("fsdp", "fsdp+gather_bf16"):
+    for name in ("fsdp+cast_where_used", "fsdp"):
         fn, args = _layer_program(name)
         compiled, partitioned = compile_with_partitioned_hlo(fn.lower(*args))
         out[name] = (compiled, partitioned, args)
@@ -83,24 +84,46 @@ def _weight_collectives(text):
     return found
 
 
+def test_fsdp_sets_cast_then_gather_by_default_and_old_names_still_load():
+    for name in ("fsdp", "fsdp_sp", "fsdp+experts_folded", "fsdp+gather_bf16", "fsdp+expert_tp+gather_bf16",
+                 "dp+gather_bf16", "zero1+gather_bf16"):
+        assert get_rule_set(name).weight_gather == "cast_then_gather", name
+    for name in ("dp", "zero1", "dp_sp", "fsdp+cast_where_used", "fsdp_sp+cast_where_used"):
+        assert get_rule_set(name).weight_gather == "cast_where_used", name
+    # a config naming the overlay on an FSDP set gets what it asked for: the same rules as the default
+    assert dataclasses.replace(get_rule_set("fsdp+gather_bf16"), name="fsdp") == get_rule_set("fsdp")
+
+
 def test_gathers_bf16_and_reduces_gradients_in_float32(programs):
-    found = _weight_collectives(programs["fsdp+gather_bf16"][1])
+    found = _weight_collectives(programs["fsdp"][1])
     gathers = [f for f in found if f[0] == "all-gather"]
     reductions = [f for f in found if f[0] != "all-gather"]
     assert len(gathers) >= 4 and len(reductions) >= 4, found  # dense + 3 expert weights, each way
     assert {dtype for _, dtype, _ in gathers} == {"bf16"}, gathers
     assert {dtype for _, dtype, _ in reductions} == {"f32"}, reductions
     # the float32-gather table moves the experts' weights in float32 (what the overlay halves)
-    before = [f for f in _weight_collectives(programs["fsdp"][1]) if f[0] == "all-gather" and f[2][0] == E]
+    before = [f for f in _weight_collectives(programs["fsdp+cast_where_used"][1]) if f[0] == "all-gather" and f[2][0] == E]
     assert before and {dtype for _, dtype, _ in before} == {"f32"}, before
 
 
 def test_gradients_match_the_float32_gather(programs):
     grads = {name: jax.device_get(compiled(*args)) for name, (compiled, _, args) in programs.items()}
     assert_finite(grads, "weight gradients")
-    for a, b in zip(jax.tree.leaves(grads["fsdp+gather_bf16"]), jax.tree.leaves(grads["fsdp"])):
+    for a, b in zip(jax.tree.leaves(grads["fsdp"]), jax.tree.leaves(grads["fsdp+cast_where_used"])):
         scale = np.abs(b).max()
         np.testing.assert_allclose(a, b, atol=2e-2 * scale)
+
+
+def test_a_float32_layer_is_gathered_as_where_used():
+    """Nothing to cast: the routed experts are still gathered inside the MoE shard_map (they
+    were handed on as shards, a shape error, once FSDP cast then gathered by default)."""
+    grads = {}
+    for name in ("fsdp+cast_where_used", "fsdp"):
+        fn, args = _layer_program(name, jnp.float32)
+        grads[name] = jax.device_get(fn(*args))
+    assert_finite(grads, "float32 weight gradients")
+    for a, b in zip(jax.tree.leaves(grads["fsdp"]), jax.tree.leaves(grads["fsdp+cast_where_used"])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
 
 
 V = 256  # vocabulary of the embedding test
@@ -110,7 +133,7 @@ V = 256  # vocabulary of the embedding test
 def lookups():
     """{rules: (compiled (rows, table gradient) program, partitioned HLO, args)} of a bf16 Embed."""
     out = {}
-    for name in ("fsdp", "fsdp+gather_bf16"):
+    for name in ("fsdp+cast_where_used", "fsdp"):
         mesh, rules = build_mesh(MeshConfig(data=16)), get_rule_set(name)
         embed = Embed(V, D, rngs=nnx.Rngs(params=jax.random.key(4)), init_std=0.3, dtype=jnp.bfloat16)
         graphdef, state = nnx.split(embed)
@@ -136,10 +159,10 @@ def test_embedding_lookup_gathers_bf16_and_sums_rows_in_float32(lookups):
                                       if tuple(int(d) for d in m.group("dims").split(",") if d) in {(V, D), (V, D // 16)}}
     # the rows' gradient is scatter-added per shard after XLA gathers the (small) token gradients:
     # no table-sized reduction on either side
-    assert table_collectives(lookups["fsdp+gather_bf16"][1]) == {("all-gather", "bf16")}
-    assert ("all-gather", "f32") in table_collectives(lookups["fsdp"][1])  # what the overlay halves
+    assert table_collectives(lookups["fsdp"][1]) == {("all-gather", "bf16")}
+    assert ("all-gather", "f32") in table_collectives(lookups["fsdp+cast_where_used"][1])  # what the default halves
     (rows, grad), (rows_ref, grad_ref) = (jax.device_get(c(*args)) for c, _, args in
-                                          (lookups["fsdp+gather_bf16"], lookups["fsdp"]))
+                                          (lookups["fsdp"], lookups["fsdp+cast_where_used"]))
     assert_finite((rows, grad), "lookup")
     np.testing.assert_array_equal(np.asarray(rows, np.float32), np.asarray(rows_ref, np.float32))
     np.testing.assert_allclose(grad, grad_ref, rtol=1e-6, atol=1e-6)
@@ -162,6 +185,6 @@ def test_twenty_steps_match_the_float32_gather(model):
     batch = random_packed_batch(100, TINY_TRAIN.global_batch, TINY_TRAIN.seq_len, model.vocab_size)
     runs = {rules: train_losses(MeshConfig(data=16), model=model, train=dataclasses.replace(TINY_TRAIN, steps=20),
                                 rules=rules, steps=20, init_params=params, batch_fn=lambda i: batch)[0]
-            for rules in ("fsdp", "fsdp+gather_bf16")}
+            for rules in ("fsdp+cast_where_used", "fsdp")}
     assert runs["fsdp"][-1] < runs["fsdp"][0] - 2.0, runs["fsdp"]
-    np.testing.assert_allclose(runs["fsdp+gather_bf16"], runs["fsdp"], rtol=1e-2)
+    np.testing.assert_allclose(runs["fsdp"], runs["fsdp+cast_where_used"], rtol=1e-2)
