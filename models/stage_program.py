@@ -4,9 +4,10 @@ A *kind* is the path of a `LayerStack` in the parameter tree: `("stacks", "moe_b
 plain stack, `("stacks", "blocks", "moe")` for one kind of a `PatternStack`. Every layer of the
 model is (kind, index within its kind), in the order the model applies them.
 
-A stage runs its slots (meshes/pipeline_split.py) as one masked scan with a switch on each
-slot's kind (models/layers/layer_scan.py), so the program is the same on every stage and
-compiles one layer of each kind.
+A stage runs its slots (meshes/pipeline_split.py) as one program, the same on every stage: one
+masked scan with a switch on each slot's kind (models/layers/layer_scan.py), which compiles one
+layer of each kind, when its kinds alternate under remat `full`; else a masked scan per run of
+one kind (`stage_loop` says why).
 """
 from __future__ import annotations
 
@@ -70,10 +71,11 @@ STAGE_REMAT = ("none", "layer", "stage")
 class StageProgram:
     """One stage's forward for one tick: its slots, in the order of the stage's slot pattern, as
     one scan over the slots with a switch on each slot's kind (models/layers/layer_scan.py), so
-    the program compiles one layer of each kind however the kinds alternate. A padding slot's
-    output is discarded (x passes through) and its aux is zero.
+    the program compiles one layer of each kind however the kinds alternate, or as a scan per
+    run of one kind (`stage_loop` chooses). A padding slot's output is discarded (x passes
+    through) and its aux is zero.
 
-    Each step slices its slot's layer of every kind out of the stage's weights (with several
+    Switched, each step slices its slot's layer of every kind out of the stage's weights (with several
     passes of the interleaved schedule, of the current pass), each weight kept in its parameter
     sharding, inside the step's `jax.checkpoint`, whose policy never saves the slices
     (layer_scan.step_policy): the backward slices them again instead of keeping a copy of the
@@ -81,9 +83,10 @@ class StageProgram:
     keeps them once). A stage of one kind in one pass scans its weights as the scan's input.
     """
 
-    def __init__(self, model, pattern, passes: int, remat: str = "none", loop: str = "runs"):
+    def __init__(self, model, pattern, passes: int, remat: str = "none", loop: str = "auto"):
         """pattern: the stage's slot pattern, one kind per slot (StagePlan.pattern); `remat`:
-        one of STAGE_REMAT (checked with the config by PipelineConfig.validate)."""
+        one of STAGE_REMAT (checked with the config by PipelineConfig.validate); `loop`: auto
+        (`stage_loop` chooses: what training runs), or runs / switched to compare the two."""
         stacks = layer_stacks(model)
         self.kinds = tuple(dict.fromkeys(pattern))
         unknown = [k for k in self.kinds if k not in stacks]
@@ -93,24 +96,14 @@ class StageProgram:
         self.names = [_layer_names(stacks[k]) for k in self.kinds]
         self.slots = pattern_slots(pattern)
         self.runs = pattern_runs(pattern)
-        # loop="runs" (what training runs): each run of one kind is a scan of its own, the weights
-        # the scan's input. loop="switched": one scan over the slots with a switch on the kind,
-        # which compiles one layer of each kind however they alternate (Nemotron-shaped reference
-        # layout 430 -> 28-45 s) but holds more where it matters (benchmarks/stage_loop_memory.py
-        # compiles both; README, pipeline section): under remat none/dots the switch keeps every
-        # kind's residuals at every slot (tests/test_layer_scan.py counts it); under `full` the
-        # traced stage keeps what run by run keeps, yet in the pipelined step the tick-invariant
-        # part of the slot scan is hoisted out of the tick loop with every kind's per-slot values
-        # (MoE uint32 scatter ids, attention-sized arrays): XLA temp 71.7 -> 106.9 MiB on a
-        # Mamba/MoE/attention hybrid at width 256. Stages whose kinds do not alternate scan run by
-        # run in both loops (V2-Lite's 97 GiB was measured when they did not).
-        if loop not in ("runs", "switched"):
-            raise ValueError(f"StageProgram loop must be 'runs' or 'switched', got {loop!r}")
-        self.by_runs = loop == "runs" or len(self.runs) == len(self.kinds)
         self.passes, self.remat = passes, remat
         self.layer_remat = self._layer_remat({stacks[k].remat for k in self.kinds})
         if passes > 1 and self.layer_remat == "none":  # as the planner assumes (planner/layer_profile.pipelined_policy)
             self.layer_remat = "dots"
+        if loop not in ("auto", "runs", "switched"):
+            raise ValueError(f"StageProgram loop must be 'auto', 'runs' or 'switched', got {loop!r}")
+        self.loop = stage_loop(pattern, self.layer_remat) if loop == "auto" else loop
+        self.by_runs = self.loop == "runs" or len(self.runs) == len(self.kinds)
 
     def _layer_remat(self, policies: set) -> str:
         if len(policies) > 1:
@@ -175,8 +168,24 @@ def pattern_runs(pattern) -> tuple[tuple[str, int, int], ...]:
 
 
 def alternates(kinds_in_order) -> bool:
-    """Whether a sequence of layer kinds revisits a kind (a stage then runs one switched scan)."""
+    """Whether a sequence of layer kinds revisits a kind (several runs of one kind)."""
     return len(pattern_runs(kinds_in_order)) > len(set(kinds_in_order))
+
+
+def stage_loop(pattern, layer_remat: str) -> str:
+    """How a stage runs its slots: "switched" (one scan over the slots, a switch on the kind) when
+    its kinds alternate and its layers keep only their input for the backward pass (remat `full`);
+    else "runs" (a scan per run of one kind, the weights the scan's input).
+
+    Run by run, alternating kinds compile about one scan per layer (the Nemotron-shaped reference
+    layout: 430 s against 28-45 s switched). But a differentiated `lax.switch` keeps every
+    branch's residuals at every slot (zeros for the kinds that did not run): under `none` or
+    `dots` a switched stage holds every kind's residuals at every slot (XLA temp 0.134 -> 0.275
+    GiB on a width-256 Mamba/MoE/attention stage, benchmarks/stage_loop_memory.py). Under `full`
+    each branch keeps only the step's input, the same value for every kind: 0.065 (runs) vs 0.072
+    GiB there, 0.0225 vs 0.0161 GiB on the reference layout's first 12 layers. Kinds in one run
+    each gain nothing from a switch and keep the per-run scan."""
+    return "switched" if alternates(pattern) and layer_remat == "full" else "runs"
 
 
 def _layer_names(stack: LayerStack) -> dict:
