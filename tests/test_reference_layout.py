@@ -55,8 +55,9 @@ PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-4
 # relative); another seed, or other data, may need checking again.
 SEED = 0
 # Nemotron's case costs ~6 min (2026-12-01), ~4.4 min of it compiling the pipelined program run by
-# run of one kind (models/stage_program.py; the switched loop, which compiles it in 28-45 s, is not
-# used in training yet: its memory, issue 26 item 1); beyond the suite's budget. Opt in with
+# run of one kind (models/stage_program.stage_loop: the switched loop, which compiles it in 28-45 s,
+# trains alternating stages only under remat full, and this config runs `none`, where a switch keeps
+# every kind's residuals per slot: issue 26 item 1); beyond the suite's budget. Opt in with
 # JAXTRAIN_SLOW_TESTS=1.
 SLOW = pytest.mark.skipif(not os.environ.get("JAXTRAIN_SLOW_TESTS"),
                           reason="~6 min (the pipelined 52-layer program): set JAXTRAIN_SLOW_TESTS=1")
