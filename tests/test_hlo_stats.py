@@ -88,6 +88,29 @@ def test_the_backward_loop_counts_branches_by_the_stacked_kinds():
     assert stats["all-gather"] == _exactly(0, 0), stats
 
 
+def test_a_nonlinear_switch_counts_the_kinds_the_forward_stacked():
+    """Without remat the forward loop stacks each step's (clamped) kind for the backward loop,
+    which switches on that copy: sin after each collective makes both passes run, so a kind-0
+    step all-reduces twice (the psum and its transpose), a kind-1 step gathers once and
+    reduce-scatters once."""
+    mesh = Mesh(np.asarray(jax.devices()[:4]), ("c",), axis_types=(AxisType.Auto,))
+    branches = [lambda c: jnp.sin(jax.lax.psum(c, "c")),
+                lambda c: jnp.sin(jax.lax.all_gather(c, "c", tiled=True)[:ROWS]),
+                lambda c: jnp.sin(c)]
+
+    def per_device(x):
+        return jax.lax.scan(lambda c, kind: (jax.lax.switch(kind, branches, c), None), x, KINDS)[0]
+
+    f = jax.shard_map(per_device, mesh=mesh, in_specs=PartitionSpec("c"), out_specs=PartitionSpec("c"),
+                      check_vma=False)
+    hlo = jax.jit(jax.grad(lambda x: f(x).sum())).lower(jnp.ones((4 * ROWS, WIDTH))).compile().as_text()
+    stats, block = executed_collective_stats(hlo), ROWS * WIDTH * 4
+    reduces, gathers = int((KINDS == 0).sum()), int((KINDS == 1).sum())
+    assert stats["all-reduce"] == _exactly(2 * reduces, 2 * reduces * block), stats
+    assert stats["all-gather"] == _exactly(gathers, gathers * 4 * block), stats
+    assert stats["reduce-scatter"] == _exactly(gathers, gathers * block), stats
+
+
 def test_a_branch_the_data_chooses_is_counted_as_a_range():
     mesh = Mesh(np.asarray(jax.devices()[:4]), ("c",), axis_types=(AxisType.Auto,))
 

@@ -156,8 +156,8 @@ def _stacked_source(module: Module, comp: Computation, name: str, body: Computat
     if not _is_loop_element(module, comp, buffer, body, index):
         return None
     sliced = comp.instructions.get(update)
-    while sliced is not None and sliced.op in _PASS_THROUGH:
-        sliced = comp.instructions.get(sliced.operands[0])
+    while sliced is not None and sliced.op in _PASS_THROUGH + ("clamp",):  # the switch's clamp, stacked
+        sliced = comp.instructions.get(sliced.operands[1 if sliced.op == "clamp" else 0])
     if sliced is None or sliced.op != "dynamic-slice" or sliced.operands[1:] != [start]:
         return None
     return _array_of(module, comp, sliced.operands[0], depth - 1)
