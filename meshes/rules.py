@@ -152,9 +152,9 @@ class RuleSet:
     # `+opt_host`): the step brings it to the device for the update and writes it back.
     optimizer_memory: str = "device"
     # How FSDP-sharded weights are cast and gathered for compute (meshes/weight_gather.py):
-    # "cast_then_gather" (the FSDP sets' default: bf16 gathers, float32 weight-gradient
-    # reductions; overlay `+gather_bf16` on other sets) or "cast_where_used" (overlay
-    # `+cast_where_used`; XLA places the cast, bf16 weight gradients).
+    # "cast_where_used" (the default; XLA places the cast, bf16 weight gradients) or
+    # "cast_then_gather" (overlay `+gather_bf16`: bf16 gathers, float32 gradient reductions;
+    # not the default by measurement: README "bf16 FSDP gathers").
     weight_gather: str = "cast_where_used"
 
     def __post_init__(self):  # each table carries the set's name (also after an overlay's replace)
@@ -237,11 +237,9 @@ RULE_SETS: dict[str, RuleSet] = {
     r.name: r for r in (
         RuleSet("dp", _TENSOR_PARALLEL_PARAMS, _ACTIVATIONS),
         RuleSet("zero1", _TENSOR_PARALLEL_PARAMS, _ACTIVATIONS, optimizer=_FSDP_PARAMS),
-        # FSDP gathers bf16 weights and reduces float32 gradients by default: fewer bytes moved
-        # and gradients closer to float32 (README "bf16 FSDP gathers"; measured, issue 26.3).
-        RuleSet("fsdp", _FSDP_PARAMS, _ACTIVATIONS, weight_gather="cast_then_gather"),
+        RuleSet("fsdp", _FSDP_PARAMS, _ACTIVATIONS),
         RuleSet("dp_sp", _TENSOR_PARALLEL_PARAMS, _SEQUENCE_PARALLEL_ACTIVATIONS),
-        RuleSet("fsdp_sp", _FSDP_PARAMS, _SEQUENCE_PARALLEL_ACTIVATIONS, weight_gather="cast_then_gather"),
+        RuleSet("fsdp_sp", _FSDP_PARAMS, _SEQUENCE_PARALLEL_ACTIVATIONS),
     )
 }
 
