@@ -3,7 +3,7 @@ cast where it is used (`fsdp+cast_where_used`: the matmul's bf16 weight gradient
 bf16) or cast then gathered (`fsdp+gather_bf16`: bf16 operands, float32 weight gradient,
 reduced in float32; meshes/weight_gather.py).
 
-    python benchmarks/gather_numerics.py [--seeds 100 101]
+    python benchmarks/gather_numerics.py [--seeds 100 101]    (from the repository root)
 
 For a small Llama and a small DeepSeek (MLA, routed experts) in bfloat16, one batch's weight
 gradients on 16 simulated devices (`data=16`) under each strategy, against the same model and
@@ -22,22 +22,13 @@ import os
 import sys
 
 
-def _random_batch(seed: int, batch: int, length: int, vocab: int) -> dict:
-    import numpy as np
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, vocab, (batch, length + 1), dtype=np.int32)
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-            "segment_ids": np.ones((batch, length), np.int32),
-            "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (batch, length)).copy(),
-            "loss_mask": np.ones((batch, length), np.float32)}
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[100, 101])
     args = parser.parse_args(argv)
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=16").strip()
     sys.path.insert(0, os.getcwd())
+    sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
     import jax
     import numpy as np
     from flax import nnx
@@ -52,6 +43,7 @@ def main(argv=None) -> int:
     from models.deepseek import DeepSeekConfig
     from models.layers.router import RouterConfig
     from models.llama import LlamaConfig
+    from helpers import random_packed_batch  # the suite's packed rows (1-3 documents each)
 
     jax.config.update("jax_threefry_partitionable", True)
     train = TrainConfig(global_batch=32, seq_len=64)
@@ -83,7 +75,7 @@ def main(argv=None) -> int:
         params = jax.device_get(jax.jit(lambda key: nnx.to_pure_dict(nnx.state(model.build(nnx.Rngs(params=key)))))(
             jax.random.key(0)))
         for seed in args.seeds:
-            host = _random_batch(seed, train.global_batch, train.seq_len, model.vocab_size)
+            host = random_packed_batch(seed, train.global_batch, train.seq_len, model.vocab_size)
             reference = gradients(dataclasses.replace(model, dtype="float32"), MeshConfig(data=1), "dp", params, host)
             runs = {rules: errors(gradients(model, MeshConfig(data=16), rules, params, host), reference)
                     for rules in ("fsdp+cast_where_used", "fsdp+gather_bf16")}
