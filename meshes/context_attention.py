@@ -13,7 +13,9 @@ setting's choice (meshes/context_layout.py):
 `sharded_latent_attention` is MLA's variant: every rank holds the whole sequence's small latent
 (gathered over `context`) and up-projects it to per-head keys/values one chunk at a time inside
 the attention (meshes/latent_attention.py), so per-head keys neither cross the network nor exist
-for the whole sequence at once.
+for the whole sequence at once. MLA (models/layers/mla.py) takes it with one context rank only:
+under context parallelism every rank up-projecting the whole sequence replicated (C - 1) / C of
+that work, so there each rank up-projects its own tokens and `sharded_attention` moves the keys.
 
 Token places from the layout give the causal mask, so the load-balanced order is exact.
 """
