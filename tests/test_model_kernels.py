@@ -86,6 +86,7 @@ def test_pallas_kernels_match_xla(cfg):
                                    err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.extended  # ~50 s: `make test-extended`; the one-device kernel comparisons above stay in the suite
 def test_pallas_kernels_under_a_mesh_match_xla():
     """Under a mesh the kernels run per shard (meshes/per_shard.py, the MoE's shard_map): three
     training steps on data=8 x tensor=2 give the same losses and parameters either way."""

@@ -48,7 +48,13 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+# The pipeline=4 case runs in `make test-extended` (the suite's budget): pipeline=2 and the
+# uneven 7/7/7/6 interleaved split stay in the suite.
+EXTENDED = {"pipeline4_7_7_7_6_gpipe_tensor2_data2_folded"}
+
+
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=[pytest.mark.extended] if name in EXTENDED else [])
+                                        for name in sorted(CASES)])
 def pipelined(request, reference):
     mesh_cfg, rules, pipeline = CASES[request.param]
     return request.param, run_steps(mesh_cfg, DEEPSEEK27, TRAIN, reference[0], pipeline=pipeline, rules=rules)
