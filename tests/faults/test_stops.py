@@ -53,7 +53,9 @@ def resumes_as_uninterrupted(workdir, stopped: int, reference, processes: int = 
     np.testing.assert_allclose([after[s] for s in sorted(after)], [reference[s] for s in sorted(after)], rtol=1e-5)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+# SIGINT takes the same path as SIGTERM (one handler): its run is in `make test-extended` (~20 s).
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.extended)],
+                         ids=["SIGTERM", "SIGINT"])
 def test_a_signal_mid_step_saves_that_step_and_the_resume_loses_none(tmp_path, reference, sig):
     workdir = tmp_path / "run"
     with running() as procs:
