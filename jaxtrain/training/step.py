@@ -40,6 +40,9 @@ class AccumulatedGradients:
     """The whole batch's gradient with its microbatches run one after another and summed
     (gradient accumulation); one microbatch runs the batch at once. The pipelined counterpart,
     with the same interface, is jaxtrain/pipeline/gradients.py."""
+    # The step's norms may take one collective over the parameters' layouts (meshes/leaf_sums.py):
+    # these gradients come out in those layouts.
+    norms_in_one_collective = True
 
     def __init__(self, graphdef, *, microbatches: int, loss_chunk: int, z_loss: float,
                  step_microbatches: int | None = None):
@@ -157,8 +160,9 @@ def make_train_step(graphdef, tx, schedule, gradients, *, mesh, rules: RuleSet, 
     """`gradients`: how the batch's gradient is computed (AccumulatedGradients, or
     jaxtrain/pipeline/gradients.py PipelinedGradients); `context_parallel`: the sequence layout
     and K/V exchange over the `context` axis."""
+    one_collective = getattr(gradients, "norms_in_one_collective", False)
     update = make_update(graphdef, tx, schedule, rules=rules, opt_state_shardings=state_shardings.opt_state,
-                         params_shardings=state_shardings.params)
+                         params_shardings=state_shardings.params if one_collective else None)
 
     def step(state, batch):
         with use_rules(mesh, rules), use_context_parallel(context_parallel):
