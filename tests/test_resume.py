@@ -54,3 +54,23 @@ def test_restart_continues_identically(straight, tmp_path, second_mesh, rules):
     assert_finite(resumed, "resumed losses")
     np.testing.assert_allclose(resumed, losses, rtol=1e-5)
     assert_trees_close(jax.device_get(second_trainer.final_state.params), params, rtol=1e-4, atol=1e-4)
+
+
+def test_a_trainer_that_ran_restarts_its_data_with_a_data_reset(tmp_path):
+    """A resume that resets the data (or restores a checkpoint without it) starts the iterator at
+    its first batch, as the count does: also in a Trainer whose iterator earlier runs moved on.
+    Compared with a fresh Trainer resuming a copy of the same checkpoint."""
+    import dataclasses
+    import shutil
+
+    exp = experiment(MeshConfig(data=8, tensor=2))
+    exp = dataclasses.replace(exp, train=dataclasses.replace(exp.train, steps=4),
+                              checkpoint=dataclasses.replace(exp.checkpoint, reset_on_resume=("data",)))
+    ran = Trainer(exp, str(tmp_path / "ran"))
+    ran.run(stop_after=2)
+    shutil.copytree(tmp_path / "ran", tmp_path / "fresh")
+    again = [h["loss"] for h in ran.run()]
+    fresh = [h["loss"] for h in Trainer(exp, str(tmp_path / "fresh")).run()]
+    assert_finite(again, "losses after the reset")
+    assert len(again) == len(fresh) == 2
+    np.testing.assert_array_equal(again, fresh)

@@ -130,6 +130,8 @@ class Trainer:
         if roles_line and jax.process_index() == 0:
             print(roles_line, file=sys.stderr, flush=True)
         fresh_data = "data" in c.reset_on_resume or "data" not in manifest.get("items", ALL_ITEMS)
+        if fresh_data:  # the iterator restarts with the count (a Trainer that already ran had moved it on)
+            self.train_iter.set_state(self.fresh_data_state)
         position = 0 if fresh_data else manifest.get("data_position", step)
         return restored.state, {"data_position": position, "skipped_batches": manifest.get("skipped_batches", []),
                                 "step": step}
