@@ -24,8 +24,8 @@ import contextvars
 import jax.numpy as jnp
 
 # The settings are jax-free values (a ParallelPlan holds them); re-exported here, where they apply.
-from meshes.context_settings import (AllGatherKV, ContextParallel, Contiguous, LoadBalanced, RingKV,  # noqa: F401
-                                     device_order)
+from meshes.context_settings import (AllGatherKV, ContextParallel, Contiguous, LatentKV, LoadBalanced,  # noqa: F401
+                                     RingKV, device_order)
 
 _DIRECT_CALLS = ContextParallel(layout=Contiguous())
 _ACTIVE: contextvars.ContextVar[ContextParallel] = contextvars.ContextVar("jaxtrain_context", default=_DIRECT_CALLS)

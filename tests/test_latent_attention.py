@@ -1,6 +1,7 @@
 """MLA attention over a chunk-wise up-projected latent (meshes/latent_attention.py): the same
 values and gradients as up-projecting the whole sequence first, alone and inside MLA; under
-context parallelism MLA up-projects each rank's own tokens and rings per-head keys/values."""
+context parallelism MLA up-projects each rank's own tokens and rings per-head keys/values, or
+(`LatentKV`) gathers the latent and up-projects the whole sequence on every rank."""
 from __future__ import annotations
 
 import functools
@@ -13,7 +14,8 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshes.context_layout import ContextParallel, LoadBalanced, device_order, use_context_parallel
+from meshes.context_layout import (ContextParallel, LatentKV, LoadBalanced, RingKV, device_order,
+                                   use_context_parallel)
 from meshes.latent_attention import latent_attention
 from meshes.mesh import MeshConfig, build_mesh
 from meshes.rules import get_rule_set, use_rules
@@ -117,17 +119,22 @@ def mla_loss(graphdef, positions, seg, weights):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), compiler_options=QUICK)
 
 
+EXCHANGES = {"ring": RingKV(), "latent": LatentKV()}
+
+
 @functools.lru_cache(maxsize=None)
-def mla_context_parallel():
-    """MLA (BlockwiseAttention: each rank's own keys over the context ring) on data x context x
-    tensor = 2 x 2 x 2, zigzag layout: (y, (d params, d x)) in the original order and the compiled step's HLO."""
+def mla_context_parallel(exchange: str = "ring"):
+    """MLA (BlockwiseAttention; by default each rank's own keys over the context ring) on data x
+    context x tensor = 2 x 2 x 2, zigzag layout: (y, (d params, d x)) in the original order and
+    the compiled step's HLO."""
     graphdef, params = mla_params(BlockwiseAttention(block_q=8, block_k=8))
     x, seg, positions, weights = mla_inputs()
     mesh = build_mesh(MLA_MESH, jax.devices()[:MLA_MESH.fixed_device_count()])
     order = device_order(LoadBalanced(), LENGTH, 2)
     back = np.argsort(order)
     put = lambda a: jax.device_put(a, NamedSharding(mesh, PartitionSpec()))
-    with use_rules(mesh, get_rule_set("dp")), use_context_parallel(ContextParallel(layout=LoadBalanced())):
+    settings = ContextParallel(layout=LoadBalanced(), kv_exchange=EXCHANGES[exchange])
+    with use_rules(mesh, get_rule_set("dp")), use_context_parallel(settings):
         step = mla_loss(graphdef, put(positions[:, order]), put(seg[:, order]), put(weights[:, order]))
         args = (jax.tree.map(put, params), put(x[:, order]))
         compiled = step.lower(*args).compile()
@@ -135,15 +142,17 @@ def mla_context_parallel():
     return np.asarray(y)[:, back], (gp, np.asarray(gx)[:, back]), compiled.as_text()
 
 
-def test_mla_latent_path_under_context_parallel_equals_materialized():
-    """MLA with BlockwiseAttention on a data x context x tensor mesh, zigzag layout, equals
-    MaterializedAttention on one device: outputs and every gradient."""
+@pytest.mark.parametrize("exchange", sorted(EXCHANGES))
+def test_mla_latent_path_under_context_parallel_equals_materialized(exchange):
+    """MLA with BlockwiseAttention on a data x context x tensor mesh, zigzag layout, per-head
+    keys by ring or the latent gathered, equals MaterializedAttention on one device: outputs and
+    every gradient."""
     graphdef_ref, params = mla_params(MaterializedAttention())
     graphdef, _ = mla_params(BlockwiseAttention(block_q=8, block_k=8))
     x, seg, positions, weights = mla_inputs()
     (_, ref_y), (ref_gp, ref_gx) = mla_loss(graphdef_ref, positions, seg, weights)(params, x)
 
-    y, (gp, gx), _ = mla_context_parallel()
+    y, (gp, gx), _ = mla_context_parallel(exchange)
     assert_close(y, ref_y, "output")
     assert_close(gx, ref_gx, "d x")
     flat_ref = dict(jax.tree_util.tree_leaves_with_path(ref_gp))
@@ -191,3 +200,46 @@ def test_mla_context_ranks_up_project_only_their_own_tokens():
     permuted = {tuple(int(d) for d in dims.split(",")) for line in text.splitlines()
                 if re.search(r"collective-permute(-start)?\(", line) for dims in _ARRAY.findall(line.split("(")[0])}
     assert (batch, length, heads, NOPE + ROPE) in permuted, sorted(permuted)
+
+
+def _collective_bytes(text: str, kind: str, forward_only: bool = True) -> list[tuple[tuple[int, ...], int]]:
+    """(shape, bytes) of each float `kind` collective's result in the compiled HLO, the
+    forward's only by default (the backward's ops carry `transpose(` in their op_name)."""
+    found = []
+    for line in text.splitlines():
+        if not re.search(rf"= f32\[[0-9,]+\][^ ]* {kind}(-start)?\(", line):
+            continue
+        if forward_only and "transpose(" in line:
+            continue
+        dims = tuple(int(d) for d in _ARRAY.findall(line.split("(")[0])[0].split(","))
+        found.append((dims, 4 * int(np.prod(dims))))
+    return found
+
+
+def _widths(exchange):
+    return exchange.exchanged_width(kv_heads=HEADS // MLA_MESH.tensor, qk_head_dim=NOPE + ROPE, v_head_dim=V,
+                                    latent_width=KV_LORA + ROPE)
+
+
+def test_latent_exchange_moves_the_latent_not_per_head_keys():
+    """LatentKV: the forward gathers the whole sequence's latent and rotary key over `context`
+    (kv_lora + rope values a token) and moves no per-head key or value; the bytes it gathers are
+    what `LatentKV.exchanged_width` says (the planner's figure), and the ring's forward permutes
+    what `RingKV.exchanged_width` says (per-head keys + values of this device's heads)."""
+    batch, heads, length, context = 2 // MLA_MESH.data, HEADS // MLA_MESH.tensor, LENGTH // MLA_MESH.context, 2
+    latent_text, ring_text = mla_context_parallel("latent")[2], mla_context_parallel("ring")[2]
+    assert not re.search(r"collective-permute(-start)?\(", latent_text), "LatentKV still rings something"
+    gathered = [(dims, size) for dims, size in _collective_bytes(latent_text, "all-gather") if LENGTH in dims]
+    assert sorted(dims for dims, _ in gathered) == [(batch, LENGTH, ROPE), (batch, LENGTH, KV_LORA)], gathered
+    per_head = {(batch, length, heads, w) for w in (NOPE + ROPE, V)}
+    moved = {dims for kind in ("all-gather", "all-to-all", "collective-permute")
+             for dims, _ in _collective_bytes(latent_text, kind, forward_only=False)}
+    assert not moved & per_head, sorted(moved & per_head)
+    # Bytes reaching a device in one layer's forward: (C - 1) / C of the sequence at the width.
+    arrived = sum(size for _, size in gathered) * (context - 1) // context
+    assert arrived == 4 * batch * LENGTH * (context - 1) // context * _widths(LatentKV())
+    ring = [(dims, size) for dims, size in _collective_bytes(ring_text, "collective-permute")]
+    assert sorted(dims for dims, _ in ring) == sorted(per_head), ring
+    # One ring step (C = 2: the one step there is) moves a rank's length of tokens.
+    assert sum(size for _, size in ring) == 4 * batch * length * _widths(RingKV())
+    assert _widths(LatentKV()) < _widths(RingKV()), "this shape should favour the latent"

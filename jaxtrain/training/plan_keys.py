@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from meshes.context_settings import AllGatherKV, Contiguous, LoadBalanced, RingKV
+from meshes.context_settings import AllGatherKV, Contiguous, LatentKV, LoadBalanced, RingKV
 from meshes.mesh_config import AXES
 from meshes.pipeline_schedules import SCHEDULES, GPipe
 
-KV_EXCHANGES = {"ring": RingKV, "allgather": AllGatherKV}
+KV_EXCHANGES = {"ring": RingKV, "allgather": AllGatherKV, "latent": LatentKV}
 ORDERS = {"balanced": LoadBalanced, "contiguous": Contiguous}
 # Attention implementations a layout may put into the model (models/layers/attention_impl.py):
 # name -> (class name there, its arguments).
@@ -134,7 +134,7 @@ KEYS: tuple[Key, ...] = (
     Key("order", "context_parallel.layout", *_choice(ORDERS, "order"), " | ".join(ORDERS),
         "which sequence chunks each `context` rank holds (meshes/context_settings.py)"),
     Key("kv", "context_parallel.kv_exchange", *_choice(KV_EXCHANGES, "kv"), " | ".join(KV_EXCHANGES),
-        "how `context` ranks see each other's keys and values"),
+        "how `context` ranks see each other's keys and values (latent: MLA gathers its latent)"),
     Key("remat", "remat", *_optional("model", _word, str), "none | dots_no_batch | full | offload_dots | model",
         "the model's remat policy, overriding its config (models/layers/stack.py); model: the config's own"),
     Key("attention", "attention", *_optional("model", _attention, str), " | ".join([*ATTENTION, "model"]),

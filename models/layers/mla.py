@@ -17,7 +17,7 @@ from flax import nnx
 
 from meshes.rules import constrain
 from meshes.context_attention import gather_sequence
-from meshes.context_layout import context_size
+from meshes.context_layout import active_context_parallel, context_size
 from meshes.weight_gather import cast_for_use
 from models.layers.attention_impl import AutoAttention
 from models.layers.decode_attention import decode_block, latent_decode
@@ -105,16 +105,20 @@ class MultiHeadLatentAttention(nnx.Module):
         q = self._queries(x, positions)
         local_latent, local_k_rope = self._latent_and_rope_key(x, positions)
         up = self.kv_up
-        if self.attention.takes_latent and context_size() == 1:
+        if self.attention.takes_latent and (context_size() == 1 or active_context_parallel().kv_exchange.moves_latent):
             # Per-device strategies up-project the latent a chunk at a time inside the attention,
-            # so the sequence's per-head keys never exist at once.
+            # so the sequence's per-head keys never exist at once. Under context parallelism with
+            # LatentKV the latent and rotary key cross `context` (kv_lora + rope values a token)
+            # and every rank up-projects the whole sequence (no-op gathers with one rank).
+            latent = gather_sequence(local_latent.astype(up.dtype), ("batch", "length", "kv_lora"))
+            k_rope = gather_sequence(local_k_rope, ("batch", "length", None))
             w_up = cast_for_use(up.kernel[...], logical_axes(up.kernel)[-3:], up.dtype)  # bf16 before any gather
-            out = self.attention.latent(q, local_latent.astype(up.dtype), local_k_rope, w_up,
+            out = self.attention.latent(q, latent, k_rope, w_up,
                                         segment_ids, nope=self.nope, scale=self.softmax_scale)
             return self.o(out), local_latent, local_k_rope
         if self.attention.takes_latent:
             # Under context parallelism each rank up-projects its own tokens only and the context
-            # exchange (ring by default) moves per-head keys/values a block at a time. Gathering
+            # exchange (RingKV by default, or AllGatherKV) moves per-head keys/values. Gathering
             # the latent instead made every rank up-project the whole sequence: (C - 1) / C of
             # the up-projection's work replicated, the largest cost of the 4-axis tiny DeepSeek
             # step (35% of its device time, profiled; README, issue 26.5).
