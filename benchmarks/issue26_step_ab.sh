@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Issue 26.5's timing: tiny DeepSeek at the issue's shape, the base commit (d43f5dd) against this
+# checkout, FSDP-16 and the 4-axis layout (this checkout also with kv=allgather and kv=latent),
+# alternating run by run, ROUNDS times; one process per run, each under the shared timing lock.
+# Prints per run: tokens/s and wall s/step (bench: median of the timed steps), this process's CPU
+# s/step (benchmarks/issue26_step_cpu.py; the figure least moved by other load), the last loss.
+#   ROUNDS=2 STEPS=5 BASE=/tmp/base26 KV="ring allgather latent" benchmarks/issue26_step_ab.sh
+# BASE is made (git worktree of d43f5dd) when missing and removed at the end if this script made it.
+set -u
+HEAD_DIR=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PYTHON:-$HEAD_DIR/.venv/bin/python}
+ROUNDS=${ROUNDS:-2}
+STEPS=${STEPS:-5}
+BASE=${BASE:-/tmp/base26}
+LOCK=${LOCK:-/tmp/jaxtrain_heavy.lock}
+OUT=${OUT:-$(mktemp -d /tmp/issue26_ab.XXXX)}
+made_base=0
+if [ ! -d "$BASE" ]; then git -C "$HEAD_DIR" worktree add "$BASE" d43f5dd >/dev/null && made_base=1; fi
+
+FLAGS=(--gin_file=configs/deepseek_v2_tiny.gin --steps "$STEPS"
+  --gin_param=DeepSeekConfig.vocab_size=1024 --gin_param=DeepSeekConfig.embed=256 --gin_param=DeepSeekConfig.layers=4
+  --gin_param=DeepSeekConfig.first_k_dense=1 --gin_param=DeepSeekConfig.heads=16 --gin_param=DeepSeekConfig.q_lora_rank=None
+  --gin_param=DeepSeekConfig.kv_lora_rank=512 --gin_param=DeepSeekConfig.qk_nope_head_dim=128
+  --gin_param=DeepSeekConfig.qk_rope_head_dim=64 --gin_param=DeepSeekConfig.v_head_dim=128 --gin_param=DeepSeekConfig.mlp=1024
+  --gin_param=DeepSeekConfig.expert_mlp=256 --gin_param=DeepSeekConfig.shared_experts=2
+  '--gin_param=DeepSeekConfig.dtype="bfloat16"' '--gin_param=DeepSeekConfig.remat="full"'
+  '--gin_param=DeepSeekConfig.rope_scaling=@YarnScaling()' --gin_param=YarnScaling.factor=40.0
+  --gin_param=YarnScaling.original_max_position=4096
+  --gin_param=RouterConfig.num_experts=8 --gin_param=RouterConfig.top_k=2 --gin_param=RouterConfig.aux_loss_weight=0.0
+  --gin_param=TrainConfig.global_batch=16 --gin_param=TrainConfig.seq_len=256)
+FSDP=data=16,rules=fsdp
+AXES4=data=2,tensor=2,context=2,expert=2,rules=fsdp+expert_tp
+# name | checkout | layout
+KV=${KV:-"ring allgather latent"}  # this checkout's 4-axis context exchanges (ring: the default)
+RUNS=("base|$BASE|$FSDP" "head|$HEAD_DIR|$FSDP" "base|$BASE|$AXES4")
+for kv in $KV; do RUNS+=("head|$HEAD_DIR|$AXES4$([ "$kv" = ring ] || echo ",kv=$kv")"); done
+
+for round in $(seq 1 "$ROUNDS"); do
+  for run in "${RUNS[@]}"; do
+    IFS='|' read -r name dir layout <<<"$run"
+    tag="r${round}_${name}_$(echo "$layout" | tr ',=+' '_-p')"
+    echo "== round $round: $name $layout ($(date -u +%H:%M:%S), load $(cut -d' ' -f1 /proc/loadavg))" >&2
+    (cd "$dir" && flock "$LOCK" "$PY" "$HEAD_DIR/benchmarks/issue26_step_cpu.py" step "${FLAGS[@]}" --layout "$layout" \
+       --json "$OUT/$tag.bench.json") >"$OUT/$tag.log" 2>&1
+    tail -n 1 "$OUT/$tag.log" >"$OUT/$tag.cpu.json"
+    echo "$round|$name|$layout|$(cut -d' ' -f1 /proc/loadavg)|$tag" >>"$OUT/runs.txt"
+  done
+done
+
+"$PY" - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+print(f"{'round':>5} {'code':<5} {'layout':<58} {'tok/s':>7} {'wall s/step':>11} {'CPU s/step':>10} {'loss':>9} {'load':>5}")
+for line in open(os.path.join(out, "runs.txt")):
+    rnd, name, layout, load, tag = line.strip().split("|")
+    try:
+        bench = json.loads(open(os.path.join(out, f"{tag}.bench.json")).read().splitlines()[-1])
+        cpu = json.loads(open(os.path.join(out, f"{tag}.cpu.json")).read())
+        print(f"{rnd:>5} {name:<5} {layout:<58} {bench['tokens_per_sec']:7.0f} {bench['step_time_s']:11.2f} "
+              f"{cpu['cpu_step_s']:10.2f} {cpu['loss']:9.5f} {load:>5}")
+    except Exception as e:  # a failed run: say so, keep the table
+        print(f"{rnd:>5} {name:<5} {layout:<58} failed ({type(e).__name__}: see {out}/{tag}.log)")
+PY
+echo "logs: $OUT" >&2
+if [ "$made_base" = 1 ]; then git -C "$HEAD_DIR" worktree remove --force "$BASE"; fi
