@@ -7,13 +7,14 @@
 #   ROUNDS=2 STEPS=5 BASE=/tmp/base26 KV="ring allgather latent" benchmarks/issue26_step_ab.sh
 # BASE is made (git worktree of d43f5dd) when missing and removed at the end if this script made it.
 set -u
-HEAD_DIR=$(cd "$(dirname "$0")/.." && pwd)
+HEAD_DIR=${HEAD_DIR:-$(cd "$(dirname "$0")/.." && pwd)}  # "head": this checkout, or HEAD_DIR=another
 PY=${PYTHON:-$HEAD_DIR/.venv/bin/python}
 ROUNDS=${ROUNDS:-2}
 STEPS=${STEPS:-5}
 BASE=${BASE:-/tmp/base26}
 LOCK=${LOCK:-/tmp/jaxtrain_heavy.lock}
 OUT=${OUT:-$(mktemp -d /tmp/issue26_ab.XXXX)}
+mkdir -p "$OUT"
 made_base=0
 if [ ! -d "$BASE" ]; then git -C "$HEAD_DIR" worktree add "$BASE" d43f5dd >/dev/null && made_base=1; fi
 
@@ -38,7 +39,7 @@ for kv in $KV; do RUNS+=("head|$HEAD_DIR|$AXES4$([ "$kv" = ring ] || echo ",kv=$
 for round in $(seq 1 "$ROUNDS"); do
   for run in "${RUNS[@]}"; do
     IFS='|' read -r name dir layout <<<"$run"
-    tag="r${round}_${name}_$(echo "$layout" | tr ',=+' '_-p')"
+    tag="r${round}_${name}_$(echo "$layout" | sed 's/[,=+]/_/g')"
     echo "== round $round: $name $layout ($(date -u +%H:%M:%S), load $(cut -d' ' -f1 /proc/loadavg))" >&2
     (cd "$dir" && flock "$LOCK" "$PY" "$HEAD_DIR/benchmarks/issue26_step_cpu.py" step "${FLAGS[@]}" --layout "$layout" \
        --json "$OUT/$tag.bench.json") >"$OUT/$tag.log" 2>&1
