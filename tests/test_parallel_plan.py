@@ -12,7 +12,7 @@ import pytest
 from jaxtrain.training.config import Experiment, TrainConfig
 from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.pipeline.config import PipelineConfig
-from meshes.context_layout import AllGatherKV, ContextParallel, Contiguous, LoadBalanced, RingKV
+from meshes.context_layout import AllGatherKV, ContextParallel, Contiguous, LatentKV, LoadBalanced, RingKV
 from jaxtrain.training import plan_keys
 from meshes.mesh_config import AXES, MeshConfig
 from meshes.pipeline_schedules import GPipe, Interleaved
@@ -116,7 +116,7 @@ def _random_plan(rng: random.Random) -> ParallelPlan:
         split=pick(None, tuple(rng.randint(1, 40) for _ in range(rng.randint(1, 8)))),
         stage_remat=pick("none", "layer", "stage"),
         context_parallel=ContextParallel(layout=pick(LoadBalanced(), Contiguous()),
-                                         kv_exchange=pick(RingKV(), AllGatherKV())),
+                                         kv_exchange=pick(RingKV(), AllGatherKV(), LatentKV())),
         remat=pick(None, "none", "dots_no_batch", "full", "offload_dots"),
         attention=pick(None, *plan_keys.ATTENTION), groups=pick((), tuple(rng.randint(1, 64) for _ in range(3))))
 
