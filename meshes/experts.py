@@ -225,7 +225,7 @@ def _in_body_gathers(expert_weights, weight_axes, w_specs, mesh, rules, weight_d
     """{name: (stored spec, axes each dim gathers)} when the rule set gathers weights inside
     the body (meshes/weight_gather.py CastThenGather) and every weight's stored layout gathers
     to its compute layout; else None (XLA gathers them at the shard_map's edge)."""
-    if strategy(rules).name != "cast_then_gather" or weight_dtype is None:
+    if not strategy(rules).casts_before_gather or weight_dtype is None:
         return None
     out = {}
     for n, w in expert_weights.items():

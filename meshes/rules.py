@@ -263,6 +263,7 @@ OVERLAYS = {"experts_folded": _fold_experts, "expert_tp": _expert_tensor_paralle
 # Overlays of the whole rule set rather than of a table.
 SET_OVERLAYS = {"opt_host": lambda rules: dataclasses.replace(rules, optimizer_memory="pinned_host"),
                 "gather_bf16": lambda rules: dataclasses.replace(rules, weight_gather="cast_then_gather"),
+                "gather_bf16_held": lambda rules: dataclasses.replace(rules, weight_gather="cast_then_gather_held"),
                 "cast_where_used": lambda rules: dataclasses.replace(rules, weight_gather="cast_where_used")}
 
 

@@ -12,11 +12,15 @@ which dtype the weight gradient is reduced:
   CastThenGather   (overlay `+gather_bf16`, PyTorch FSDP2's mixed-precision policy): the weight
                    is cast on its sharded layout, then gathered (bf16 on the wire), and its
                    gradient leaves its matmul in float32 and is reduce-scattered in float32.
-                   Not the default (README "bf16 FSDP gathers", measured): fewer bytes and
-                   closer gradients, but under remat `none` the contraction's residual is the
-                   gathered bf16 weight, kept for every layer until the backward (XLA re-gathers
-                   instead where used): the default Llama config's temp +23% (data=4,tensor=2)
-                   and +62% (data=8).
+                   The dense contraction keeps the SHARDED bf16 copy for the backward and
+                   gathers it again there (FSDP2's reshard after forward): no gathered weight
+                   lives from a layer's forward to its backward. Under remat the recomputed
+                   forward's gather and the backward's are one (XLA merges them: same operand).
+  CastThenGatherHeld (overlay `+gather_bf16_held`, FSDP2's reshard_after_forward=False): as
+                   CastThenGather, but the contraction keeps the gathered bf16 weight: one gather
+                   per weight per step instead of two under remat `none`, at the price of every
+                   layer's gathered weights held until the backward (default Llama data=8:
+                   README "bf16 FSDP gathers").
 
 Where weights are used: `contract` (a dense layer's matmul under SPMD: Dense, the LM head),
 `lookup` (the embedding table), `gather_in_shard_map` (a weight entering a shard_map sharded,
@@ -48,9 +52,33 @@ def gathered_table(params: dict) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
+class _KeepSharded:
+    """The contraction's weight residual is the sharded bf16 copy; the backward gathers it again
+    (FSDP2's reshard after forward): no gathered weight lives from a layer's forward to its backward."""
+
+    def residual(self, ws, wb):
+        return ws
+
+    def gathered(self, residual, gathered):
+        return _pin(residual, gathered)
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeepGathered:
+    """The residual is the gathered bf16 weight, as plain autodiff of the matmul keeps it."""
+
+    def residual(self, ws, wb):
+        return wb
+
+    def gathered(self, residual, gathered):
+        return residual
+
+
+@dataclasses.dataclass(frozen=True)
 class CastWhereUsed:
     """The cast at the use; XLA places it and the gradient's reduction (module docstring)."""
     name = "cast_where_used"
+    casts_before_gather = False
 
     def contract(self, x, w, n_in: int, dtype, names, mesh, rules):
         return jnp.tensordot(x.astype(dtype), w.astype(dtype), axes=n_in)
@@ -65,8 +93,11 @@ class CastWhereUsed:
 
 @dataclasses.dataclass(frozen=True)
 class CastThenGather:
-    """Cast on the sharded layout, gather in the compute dtype; gradients reduced in float32."""
+    """Cast on the sharded layout, gather in the compute dtype; gradients reduced in float32.
+    The backward gathers the sharded bf16 copy again (no gathered weight held across passes)."""
     name = "cast_then_gather"
+    casts_before_gather = True
+    keep = _KeepSharded()
 
     def contract(self, x, w, n_in: int, dtype, names, mesh, rules):
         if mesh is None or dtype is None or jnp.dtype(dtype) == w.dtype:
@@ -74,7 +105,7 @@ class CastThenGather:
         from meshes.rules import spec_for
         sharded = NamedSharding(mesh, spec_for(names, w.shape, rules.params, mesh))
         gathered = NamedSharding(mesh, spec_for(names, w.shape, gathered_table(rules.params), mesh))
-        return _contract_cast_then_gather(x.astype(dtype), w, n_in, jnp.dtype(dtype), sharded, gathered)
+        return _contract_cast_then_gather(x.astype(dtype), w, n_in, jnp.dtype(dtype), sharded, gathered, self.keep)
 
     def lookup(self, table, ids, dtype, names, mesh, rules):
         if mesh is None or dtype is None or jnp.dtype(dtype) == table.dtype:
@@ -92,7 +123,14 @@ class CastThenGather:
         return _gather_cast_first(w, tuple(axes_per_dim), jnp.dtype(dtype))
 
 
-WEIGHT_GATHERS = {s.name: s for s in (CastWhereUsed(), CastThenGather())}
+@dataclasses.dataclass(frozen=True)
+class CastThenGatherHeld(CastThenGather):
+    """As CastThenGather, but the dense contraction keeps the gathered bf16 weight for the backward."""
+    name = "cast_then_gather_held"
+    keep = _KeepGathered()
+
+
+WEIGHT_GATHERS = {s.name: s for s in (CastWhereUsed(), CastThenGather(), CastThenGatherHeld())}
 
 
 def cast_for_use(w, names: Sequence[str | None], dtype):
@@ -103,7 +141,7 @@ def cast_for_use(w, names: Sequence[str | None], dtype):
     from meshes.rules import active_mesh, active_rules, spec_for
     rules, mesh = active_rules(), active_mesh()
     if (mesh is None or dtype is None or jnp.dtype(dtype) == w.dtype
-            or strategy(rules).name != CastThenGather.name):
+            or not strategy(rules).casts_before_gather):
         return w.astype(dtype)
     return _cast_pinned(w, jnp.dtype(dtype), NamedSharding(mesh, spec_for(tuple(names), w.shape, rules.params, mesh)))
 
@@ -123,23 +161,21 @@ def _pin(v, sharding):
     return jax.lax.with_sharding_constraint(v, sharding)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _contract_cast_then_gather(x, w, n_in, dtype, sharded, gathered):
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _contract_cast_then_gather(x, w, n_in, dtype, sharded, gathered, keep):
+    return _contract_fwd(x, w, n_in, dtype, sharded, gathered, keep)[0]
+
+
+def _contract_fwd(x, w, n_in, dtype, sharded, gathered, keep):
     # Pinning the bf16 copy to the sharded layout first makes XLA convert before it gathers.
-    wb = _pin(_pin(w.astype(dtype), sharded), gathered)
-    return jnp.tensordot(x, wb, axes=n_in)
+    ws = _pin(w.astype(dtype), sharded)
+    wb = _pin(ws, gathered)
+    return jnp.tensordot(x, wb, axes=n_in), (x, keep.residual(ws, wb))
 
 
-def _contract_fwd(x, w, n_in, dtype, sharded, gathered):
-    # The gathered bf16 weight is the residual, as plain autodiff of the matmul keeps it: under
-    # remat the layer's forward is recomputed in the backward anyway (a residual of the sharded
-    # weight gathered a third time per step: tiny DeepSeek FSDP-16, 103 -> 128 all-gathers).
-    wb = _pin(_pin(w.astype(dtype), sharded), gathered)
-    return jnp.tensordot(x, wb, axes=n_in), (x, wb)
-
-
-def _contract_bwd(n_in, dtype, sharded, gathered, residuals, g):
-    x, wb = residuals
+def _contract_bwd(n_in, dtype, sharded, gathered, keep, residuals, g):
+    x, kept = residuals
+    wb = keep.gathered(kept, gathered)
     g = g.astype(dtype)
     batch = tuple(range(x.ndim - n_in))
     # dx = g . w^T over w's output dims; dw = x^T . g over the batch dims, produced in float32

@@ -189,3 +189,85 @@ def test_twenty_steps_match_the_float32_gather(model):
             for rules in ("fsdp+cast_where_used", "fsdp+gather_bf16")}
     assert runs["fsdp+gather_bf16"][-1] < runs["fsdp+gather_bf16"][0] - 2.0, runs["fsdp+gather_bf16"]
     np.testing.assert_allclose(runs["fsdp+gather_bf16"], runs["fsdp+cast_where_used"], rtol=1e-2)
+
+
+# ---- what lives from a layer's forward to its backward ------------------------------------
+
+L, DS, FS, S = 4, 128, 256, 128  # layers, embed, mlp, tokens per device
+
+
+def _stack_program(rules_name: str, remat: bool = False):
+    """(compiled, partitioned HLO, args) of the gradient of L scanned layers, each
+    x -> tanh(x W_up) W_down in bf16 through `weight_gather.contract`, FSDP over 16 devices."""
+    from meshes.weight_gather import contract
+    mesh, rules = build_mesh(MeshConfig(data=16)), get_rule_set(rules_name)
+    rng = np.random.default_rng(8)
+    up = jnp.asarray(rng.normal(size=(L, DS, FS)) / np.sqrt(DS), jnp.float32)
+    down = jnp.asarray(rng.normal(size=(L, FS, DS)) / np.sqrt(FS), jnp.float32)
+    up = jax.device_put(up, named_sharding(mesh, ("layers", "embed", "mlp"), up.shape, rules.params))
+    down = jax.device_put(down, named_sharding(mesh, ("layers", "mlp", "embed"), down.shape, rules.params))
+    x = jnp.asarray(rng.normal(size=(16, S, DS)), jnp.float32)
+    x = jax.device_put(x, named_sharding(mesh, ("batch", "length", "embed"), x.shape, rules.activations))
+
+    def layer(h, w):
+        u = jnp.tanh(contract(h, w[0], 1, jnp.bfloat16, ("embed", "mlp")))
+        return h + contract(u, w[1], 1, jnp.bfloat16, ("mlp", "embed")).astype(h.dtype), None
+
+    def loss(weights, x):
+        step = jax.checkpoint(layer, prevent_cse=False) if remat else layer
+        return jnp.sum(jnp.square(jax.lax.scan(step, x, weights)[0]))
+
+    def grad(weights, x):
+        with use_rules(mesh, rules):
+            return jax.grad(loss)(weights, x)
+    args = ((up, down), x)
+    compiled, partitioned = compile_with_partitioned_hlo(jax.jit(grad).lower(*args))
+    return compiled, partitioned, args
+
+
+@pytest.fixture(scope="module")
+def stacks():
+    return {name: _stack_program(name) for name in ("fsdp+cast_where_used", "fsdp+gather_bf16", "fsdp+gather_bf16_held")}
+
+
+def _weight_gathers(text):
+    """bf16 all-gathers of one layer's whole weight (a loop body's once; a leading 1 dropped)."""
+    found = []
+    for m in _COLLECTIVE.finditer(text):
+        dims = tuple(int(d) for d in m.group("dims").split(",") if d)
+        if m.group("op") == "all-gather" and m.group("dtype") == "bf16" and dims[-2:] in {(DS, FS), (FS, DS)} \
+                and set(dims[:-2]) <= {1}:
+            found.append(dims[-2:])
+    return found
+
+
+def test_the_backward_gathers_the_sharded_copy_again(stacks):
+    """`+gather_bf16` keeps the sharded bf16 copy for the backward and gathers it there again:
+    each weight is gathered in the forward loop and in the backward one; the held variant
+    gathers once (its gathered weight is the residual)."""
+    assert len(_weight_gathers(stacks["fsdp+gather_bf16"][1])) == 4, _weight_gathers(stacks["fsdp+gather_bf16"][1])
+    assert len(_weight_gathers(stacks["fsdp+gather_bf16_held"][1])) == 2
+    grads = {name: jax.device_get(c(*args)) for name, (c, _, args) in stacks.items()}
+    assert_finite(grads, "stack gradients")
+    for name in ("fsdp+gather_bf16", "fsdp+gather_bf16_held"):
+        for a, b in zip(jax.tree.leaves(grads[name]), jax.tree.leaves(grads["fsdp+cast_where_used"])):
+            np.testing.assert_allclose(a, b, atol=2e-2 * np.abs(b).max())
+
+
+def test_no_gathered_weight_lives_from_forward_to_backward(stacks):
+    """XLA temp: re-gathering holds no more than casting where used (plus one layer's float32
+    weight gradient, the float32 reduction's price), while holding the gathered weights costs
+    every layer's (less the one in use)."""
+    temp = {name: c.memory_analysis().temp_size_in_bytes for name, (c, _, _) in stacks.items()}
+    layer_gathered_bf16 = 2 * DS * FS * 2  # up and down, bf16
+    layer_grad_f32 = DS * FS * 4
+    assert temp["fsdp+gather_bf16"] <= temp["fsdp+cast_where_used"] + layer_grad_f32, temp
+    assert temp["fsdp+gather_bf16_held"] >= temp["fsdp+gather_bf16"] + (L - 1) * layer_gathered_bf16, temp
+
+
+def test_under_remat_the_backward_gathers_once():
+    """Under remat the layer's forward is recomputed in the backward: XLA merges that gather with
+    the backward's own (same operand), so re-gathering costs no third gather per step."""
+    counts = {name: len(_weight_gathers(_stack_program(name, remat=True)[1]))
+              for name in ("fsdp+gather_bf16", "fsdp+gather_bf16_held")}
+    assert counts == {"fsdp+gather_bf16": 4, "fsdp+gather_bf16_held": 4}, counts
