@@ -28,7 +28,10 @@ def leaf_sums(local_sum: Callable, tree, specs=None) -> jax.Array:
 
     `specs`: a tree like `tree` of PartitionSpecs or NamedShardings, the leaves' layouts. With
     them and an active mesh (meshes.rules.use_rules) one psum reduces every leaf; without, each
-    leaf is reduced on its own (XLA's partitioner makes a collective per sharded leaf)."""
+    leaf is reduced on its own (XLA's partitioner makes a collective per sharded leaf). They must
+    be the layouts the leaves have at this point of the program: the shard_map's in_specs make
+    XLA reshard (and hold) any leaf laid out otherwise (ZeRO-1 gradients are in the optimizer
+    moments' layout: jaxtrain/training/step.gradient_layouts)."""
     leaves = jax.tree.leaves(tree)
     mesh = active_mesh()
     if specs is None or mesh is None or not leaves:

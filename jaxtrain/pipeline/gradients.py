@@ -28,11 +28,6 @@ from models.stage_program import StageProgram
 
 
 class PipelinedGradients:
-    # Not yet: the leaf_sums shard_map over the canonical parameter layouts made XLA hold ~1.25 GiB
-    # more on a full-size pipelined DeepSeek (make test-full-size, planner property draw 3:
-    # 10.74 -> 11.99 GiB temp), so a pipelined step reduces its norms leaf by leaf.
-    norms_in_one_collective = False
-
     def __init__(self, graphdef, layout: PipelineLayout, schedule, *, microbatches: int, loss_chunk: int,
                  z_loss: float, remat: str = "none"):
         self.graphdef, self.layout, self.schedule = graphdef, layout, schedule
