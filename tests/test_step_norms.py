@@ -128,3 +128,24 @@ def test_a_pipelined_steps_norms_equal_the_unpipelined_models(pipelined_and_refe
     assert float(metrics["nonfinite"]) == 0.0
     for key in ("loss", "grad_norm", "param_norm"):
         np.testing.assert_allclose(float(metrics[key]), float(ref[key]), rtol=1e-5, err_msg=key)
+
+
+# ---- the update of a run over device groups ----
+
+def test_a_grouped_steps_update_takes_one_psum_per_norm():
+    """Two groups of 4 devices (12 and 4 rows, FSDP x tensor within each): the program that sums
+    the groups' gradients and updates reduces each norm with one psum over all 8 devices, and
+    its norms are those of the gradients it summed (float64)."""
+    from jaxtrain.training.device_groups import DeviceGroups
+
+    plan = ParallelPlan.parse("data=2,tensor=2,rules=fsdp,microbatches=4")
+    setup = build_train_setup(TINY_LLAMA, plan, TRAIN, PIPELINE_OPT, jax.devices()[:8], groups=DeviceGroups(rows=(12, 4)))
+    state = setup.state_from_params(initial_params(TINY_LLAMA))
+    batches = setup.device_batch(random_packed_batch(100, TRAIN.global_batch, TRAIN.seq_len, TINY_LLAMA.vocab_size))
+    grads = setup.train_step._groups_outputs(state, batches)[0]
+    g64 = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64).sum(0))) for g in jax.tree.leaves(grads)))
+    compiled = setup.train_step.lower_update(state, batches).compile()
+    assert _vector_all_reduces(compiled.as_text(), len(jax.tree.leaves(state.params))) == 2
+    _, metrics = setup.train_step(state, batches)
+    assert_finite(jax.device_get(metrics), "metrics")
+    np.testing.assert_allclose(float(metrics["grad_norm"]), g64, rtol=1e-5)

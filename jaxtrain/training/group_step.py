@@ -73,7 +73,9 @@ class GroupedTrainStep:
                                      params_shardings)
         self._total_tokens = jax.jit(lambda counts: loss_tokens(counts.sum()), in_shardings=(by_group,),
                                      out_shardings=everywhere)
-        update = make_update(graphdef, tx, schedule, rules=rules, opt_state_shardings=state_shardings.opt_state)
+        # With the parameters' layouts the update's norms are one collective each (step.make_update)
+        update = make_update(graphdef, tx, schedule, rules=rules, opt_state_shardings=state_shardings.opt_state,
+                             params_shardings=params_shardings)
         metrics_of = gradients[0].metrics  # every group's strategy averages over all M microbatches
 
         def apply(state, grads, sums, aux, total_tokens):
@@ -85,13 +87,22 @@ class GroupedTrainStep:
                               out_shardings=(state_shardings, everywhere), donate_argnums=(0,))
 
     def __call__(self, state: dict, batches: dict):
+        return self._apply(state, *self._groups_outputs(state, batches))
+
+    def lower_update(self, state: dict, batches: dict):
+        """The program over all devices that sums the groups' outputs and updates, lowered for
+        these inputs (to inspect its collectives); runs the groups' programs to get its inputs."""
+        return self._apply.lower(state, *self._groups_outputs(state, batches))
+
+    def _groups_outputs(self, state: dict, batches: dict):
+        """(grads, sums, aux stacked over groups, total tokens): the update program's inputs."""
         layout = self.layout
         counts = layout.stack({g: self._count[g](batches[g]) for g in layout.own})
         total_tokens = self._total_tokens(counts)
         outputs = {g: self._gradients[g](layout.view(state.params, g), batches[g], layout.view(total_tokens, g))
                    for g in layout.own}
         grads, sums, aux = layout.stack(outputs)
-        return self._apply(state, grads, sums, aux, total_tokens)
+        return grads, sums, aux, total_tokens
 
 
 class GroupedEvalStep:
