@@ -152,9 +152,10 @@ class RuleSet:
     # `+opt_host`): the step brings it to the device for the update and writes it back.
     optimizer_memory: str = "device"
     # How FSDP-sharded weights are cast and gathered for compute (meshes/weight_gather.py):
-    # "cast_where_used" (the default; XLA places the cast, bf16 weight gradients) or
-    # "cast_then_gather" (overlay `+gather_bf16`: bf16 gathers, float32 gradient reductions;
-    # not the default by measurement: README "bf16 FSDP gathers").
+    # "cast_then_gather" (the FSDP tables' default, overlay `+gather_bf16`: bf16 gathers, float32
+    # gradient reductions, re-gathered in the backward; chosen by measurement: README "bf16 FSDP
+    # gathers"), "cast_then_gather_held" (`+gather_bf16_held`) or "cast_where_used" (the tables
+    # that gather no weights, overlay `+cast_where_used`: XLA places the cast, bf16 gradients).
     weight_gather: str = "cast_where_used"
 
     def __post_init__(self):  # each table carries the set's name (also after an overlay's replace)
@@ -237,9 +238,9 @@ RULE_SETS: dict[str, RuleSet] = {
     r.name: r for r in (
         RuleSet("dp", _TENSOR_PARALLEL_PARAMS, _ACTIVATIONS),
         RuleSet("zero1", _TENSOR_PARALLEL_PARAMS, _ACTIVATIONS, optimizer=_FSDP_PARAMS),
-        RuleSet("fsdp", _FSDP_PARAMS, _ACTIVATIONS),
+        RuleSet("fsdp", _FSDP_PARAMS, _ACTIVATIONS, weight_gather="cast_then_gather"),
         RuleSet("dp_sp", _TENSOR_PARALLEL_PARAMS, _SEQUENCE_PARALLEL_ACTIVATIONS),
-        RuleSet("fsdp_sp", _FSDP_PARAMS, _SEQUENCE_PARALLEL_ACTIVATIONS),
+        RuleSet("fsdp_sp", _FSDP_PARAMS, _SEQUENCE_PARALLEL_ACTIVATIONS, weight_gather="cast_then_gather"),
     )
 }
 

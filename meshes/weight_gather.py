@@ -5,11 +5,11 @@ are cast to the compute dtype where they are used. A strategy object, chosen by 
 (`RuleSet.weight_gather`), decides where that cast happens relative to the all-gather and in
 which dtype the weight gradient is reduced:
 
-  CastWhereUsed    (default; overlay `+cast_where_used` names it) `w.astype(dtype)` at the use;
+  CastWhereUsed    (dp, zero1, dp_sp: no weight gathered; overlay `+cast_where_used`) the cast at the use;
                    XLA's sharding propagation decides whether the convert runs before or after
                    the gather, and the weight gradient is reduced in the dtype its matmul
                    produced (bf16 for a bf16 model).
-  CastThenGather   (overlay `+gather_bf16`, PyTorch FSDP2's mixed-precision policy): the weight
+  CastThenGather   (fsdp, fsdp_sp; overlay `+gather_bf16`; FSDP2's mixed-precision policy): the weight
                    is cast on its sharded layout, then gathered (bf16 on the wire), and its
                    gradient leaves its matmul in float32 and is reduce-scattered in float32.
                    The dense contraction keeps the SHARDED bf16 copy for the backward and
