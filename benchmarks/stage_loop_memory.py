@@ -5,7 +5,8 @@
 
 Compiles (never runs) the train step of a pipelined experiment once per round with each loop of
 models/stage_program.py (`loop="runs"`: a scan per run of one kind; `loop="switched"`: one scan
-over the stage's slots with a switch on the kind), alternating in one process, and prints one
+over the stage's slots with a switch on the kind; `loop="kinds"`: the same with the switch's own
+VJP, `--loops runs,switched,kinds`), alternating in one process, and prints one
 JSON line per compile: XLA's temp and argument memory per device, and the compile time. Only
 stages whose kinds alternate differ (others scan run by run either way). Sets its own simulated
 device count (16): run it as a script from the repository root.

@@ -5,11 +5,14 @@ plain stack, `("stacks", "blocks", "moe")` for one kind of a `PatternStack`. Eve
 model is (kind, index within its kind), in the order the model applies them.
 
 A stage runs its slots (meshes/pipeline_split.py) as one program, the same on every stage: one
-masked scan with a switch on each slot's kind (models/layers/layer_scan.py), which compiles one
-layer of each kind, when its kinds alternate under remat `full`; else a masked scan per run of
-one kind (`stage_loop` says why).
+masked scan with a switch on each slot's kind, which compiles one layer of each kind, when its
+kinds alternate (models/layers/layer_scan.py under remat `full`, models/layers/kind_residuals.py
+under `none`/`dots`, over every stage at once); else a masked scan per run of one kind
+(`stage_loop` says why).
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +20,7 @@ from flax import nnx
 
 from meshes.rules import constrain_param
 from meshes.tree_paths import path_keys
+from models.layers.kind_residuals import scan_kinds
 from models.layers.layer_scan import scan_layers
 from models.layers.moe import MoEBlock
 from models.layers.params import LOGICAL_AXES
@@ -66,6 +70,10 @@ def layer_cost(stack: LayerStack) -> float:
 #   layer  every layer recomputed in the backward pass (the model's policy, or `full`)
 #   stage  only each tick's stage input is kept; the whole stage is recomputed
 STAGE_REMAT = ("none", "layer", "stage")
+# How a stage loops over its slots: a scan per run of one kind; one scan with a plain switch on the
+# kind (sound under remat `full` only: a switch keeps every kind's residuals at every slot); one
+# scan with a switch whose own VJP keeps each kind's residuals at its own slots only.
+LOOPS = ("runs", "switched", "kinds")
 
 
 class StageProgram:
@@ -86,7 +94,7 @@ class StageProgram:
     def __init__(self, model, pattern, passes: int, remat: str = "none", loop: str = "auto"):
         """pattern: the stage's slot pattern, one kind per slot (StagePlan.pattern); `remat`:
         one of STAGE_REMAT (checked with the config by PipelineConfig.validate); `loop`: auto
-        (`stage_loop` chooses: what training runs), or runs / switched to compare the two."""
+        (`stage_loop` chooses: what training runs), or one of LOOPS to compare them."""
         stacks = layer_stacks(model)
         self.kinds = tuple(dict.fromkeys(pattern))
         unknown = [k for k in self.kinds if k not in stacks]
@@ -100,10 +108,13 @@ class StageProgram:
         self.layer_remat = self._layer_remat({stacks[k].remat for k in self.kinds})
         if passes > 1 and self.layer_remat == "none":  # as the planner assumes (planner/layer_profile.pipelined_policy)
             self.layer_remat = "dots"
-        if loop not in ("auto", "runs", "switched"):
-            raise ValueError(f"StageProgram loop must be 'auto', 'runs' or 'switched', got {loop!r}")
+        if loop not in ("auto",) + LOOPS:
+            raise ValueError(f"StageProgram loop must be 'auto' or one of {LOOPS}, got {loop!r}")
         self.loop = stage_loop(pattern, self.layer_remat) if loop == "auto" else loop
         self.by_runs = self.loop == "runs" or len(self.runs) == len(self.kinds)
+        # The kinds loop runs over every stage at once (the stage vmap inside each layer): its
+        # own VJP cannot be batched by the pipeline's stage vmap (models/layers/kind_residuals.py).
+        self.all_stages = self.loop == "kinds" and not self.by_runs
 
     def _layer_remat(self, policies: set) -> str:
         if len(policies) > 1:
@@ -117,6 +128,44 @@ class StageProgram:
         [passes, slots]. Returns (x, aux per kind with leaves [slots, ...])."""
         fn = jax.checkpoint(self._apply, prevent_cse=False) if self.remat == "stage" else self._apply
         return fn(params, valid, repeat, x, positions, segment_ids)
+
+    def every_stage(self, params: dict, valid: dict, repeat, x, positions, segment_ids):
+        """All stages at once (the kinds loop): every argument with a leading `stages` dimension
+        (params[kind] [stages, passes, slots, ...], valid[kind] [stages, passes, slots], repeat
+        [stages]). Returns (x [stages, ...], aux per kind with leaves [stages, slots, ...])."""
+        fn = jax.checkpoint(self._apply_kinds, prevent_cse=False) if self.remat == "stage" else self._apply_kinds
+        return fn(params, valid, repeat, x, positions, segment_ids)
+
+    def _apply_kinds(self, params, valid, repeat, x, positions, segment_ids):
+        per_stage = functools.partial(jax.vmap, spmd_axis_name="pipeline")
+        if self.passes == 1:
+            params, valid = jax.tree.map(lambda a: a[:, 0], params), jax.tree.map(lambda a: a[:, 0], valid)
+        else:
+            valid = jax.tree.map(lambda v: per_stage(lambda v_, r: v_[r])(v, repeat), valid)
+        stacks = [params[k] for k in self.kinds]
+        keep = jnp.stack([valid[kind][:, index] for kind, index in self.slots], axis=1)  # [stages, slots]
+        ctx = {"keep": keep, "repeat": repeat if self.passes > 1 else None,
+               "positions": positions, "segment_ids": segment_ids}
+
+        def take(k, stack, read, ctx):
+            one = lambda s, r: _layer_of(s, r, read, self.names[k])
+            if ctx["repeat"] is None:
+                return per_stage(lambda s: one(s, None))(stack)
+            return per_stage(one)(stack, ctx["repeat"])
+
+        def apply(k, x, weights, ctx, step):
+            def one(x, w, pos, seg, ok):
+                y, aux = nnx.merge(self.graphdefs[k], w)(x, pos, seg)
+                return jnp.where(ok, y, x), jax.tree.map(lambda a: jnp.where(ok, a, jnp.zeros_like(a)), aux)
+            keep = jax.lax.dynamic_index_in_dim(ctx["keep"], step, axis=1, keepdims=False)
+            return per_stage(one)(x, weights, ctx["positions"], ctx["segment_ids"], keep)
+
+        reads = jnp.asarray([i for _, i in self.slots], jnp.int32)
+        kind_ids = [self.kinds.index(kind) for kind, _ in self.slots]
+        x, per_kind = scan_kinds(take, apply, x, stacks, ctx, reads, kind_ids, remat=self.layer_remat)
+        # occurrences first in the loop, stages first in the pipeline
+        per_kind = [jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1), aux) for aux in per_kind]
+        return x, dict(zip(self.kinds, per_kind))
 
     def _apply(self, params, valid, repeat, x, positions, segment_ids):
         if self.passes == 1:  # a static index: no copy of the weights at all
@@ -173,19 +222,22 @@ def alternates(kinds_in_order) -> bool:
 
 
 def stage_loop(pattern, layer_remat: str) -> str:
-    """How a stage runs its slots: "switched" (one scan over the slots, a switch on the kind) when
-    its kinds alternate and its layers keep only their input for the backward pass (remat `full`);
-    else "runs" (a scan per run of one kind, the weights the scan's input).
+    """How a stage runs its slots. Kinds that alternate: one scan over the slots with a switch on
+    the kind, which compiles one layer of each kind ("switched" under remat `full`, where each slot
+    keeps only its input whatever the kind; "kinds" under `none`/`dots`: the switch's own VJP keeps
+    each kind's residuals at its own slots, models/layers/kind_residuals.py). Else "runs": a scan
+    per run of one kind, the weights the scan's input (kinds in one run each gain nothing from a
+    switch).
 
     Run by run, alternating kinds compile about one scan per layer (the Nemotron-shaped reference
-    layout: 430 s against 28-45 s switched). But a differentiated `lax.switch` keeps every
-    branch's residuals at every slot (zeros for the kinds that did not run): under `none` or
-    `dots` a switched stage holds every kind's residuals at every slot (XLA temp 0.134 -> 0.275
-    GiB on a width-256 Mamba/MoE/attention stage, benchmarks/stage_loop_memory.py). Under `full`
-    each branch keeps only the step's input, the same value for every kind: 0.065 (runs) vs 0.072
-    GiB there, 0.0225 vs 0.0161 GiB on the reference layout's first 12 layers. Kinds in one run
-    each gain nothing from a switch and keep the per-run scan."""
-    return "switched" if alternates(pattern) and layer_remat == "full" else "runs"
+    layout: 430 s against 28-45 s switched). A plain differentiated `lax.switch` keeps every
+    branch's residuals at every slot (zeros for the kinds that did not run): under `none` or `dots`
+    XLA temp 0.134 (runs) -> 0.275 GiB on a width-256 Mamba/MoE/attention stage
+    (benchmarks/stage_loop_memory.py); hence the kinds loop there. Under `full` the plain switch
+    holds what run by run holds: 0.065 (runs) vs 0.072 GiB there."""
+    if not alternates(pattern):
+        return "runs"
+    return "switched" if layer_remat == "full" else "kinds"
 
 
 def _layer_names(stack: LayerStack) -> dict:

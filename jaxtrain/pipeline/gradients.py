@@ -44,9 +44,10 @@ class PipelinedGradients:
         program = StageProgram(model, plan.pattern, plan.repeats, self.remat)
         stage_params = {kind: _subtree(params, kind + ("layers",)) for kind in plan.kinds}
         valid = {kind: jnp.asarray(plan.valid(kind)) for kind in plan.kinds}
-        final, aux = run_pipeline(lambda p, repeat, h, pos, seg: program(*p, repeat, h, pos, seg),
+        stage_fn = program.every_stage if program.all_stages else program
+        final, aux = run_pipeline(lambda p, repeat, h, pos, seg: stage_fn(*p, repeat, h, pos, seg),
                                   (stage_params, valid), x, (mbs["positions"], mbs["segment_ids"]),
-                                  self.schedule, stages=self.stages)
+                                  self.schedule, stages=self.stages, all_stages=program.all_stages)
 
         def head(h, targets, mask):
             # The head takes the sequence whole over `tensor` (split over `context` only), as

@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxtrain.planner.context_kv import per_head_kv_backward, per_head_kv_saved
 from jaxtrain.planner.layer_profile import ModelProfile, TokenShape, pipelined_policy
 from jaxtrain.planner.state_bytes import StateBytes
+from meshes.context_settings import RingKV
 
 F32 = 4
 LOGIT_COPIES = 2  # float32 logits and their gradient, per loss chunk
@@ -113,18 +115,17 @@ def saved_activations(profile: ModelProfile, policy: str, shape: TokenShape, pip
     """(device, host) bytes of the residuals every layer keeps for the backward pass, plus
     `extra` bytes per layer of a kind. A switch over kinds (models/layers/layer_scan.py) keeps
     what every kind in it would save, per layer, unless only the layer input is kept (`full`):
-    a pattern stack switches over its kinds; a pipeline stage (`pipelined`) switches only when
-    its kinds alternate under `full` (models/stage_program.stage_loop), else it scans each run of
-    one kind on its own, no switch. (A tied switched stage's XLA temp measured within 11% of run
-    by run there: tests/test_layer_scan.py.)"""
+    a pattern stack switches over its kinds; a pipeline stage (`pipelined`) keeps each kind's own
+    residuals whatever its loop (models/stage_program.stage_loop: run by run; a plain switch only
+    under `full`; else the switch with its own VJP, models/layers/kind_residuals.py).
+    (A tied switched stage's XLA temp measured within 11% of run by run under `full`:
+    tests/test_layer_scan.py.)"""
     extra = extra or {}
     device_policy = "full" if policy == "offload_dots" else policy
     per_kind = {k.kind: k.bytes(device_policy, shape) for k in profile.kinds}
     host_kind = {k.kind: k.bytes("dots_no_batch", shape) if policy == "offload_dots" else 0.0
                  for k in profile.kinds}
-    runs = sum(1 for i, path in enumerate(profile.sequence) if i == 0 or profile.sequence[i - 1] != path)
-    stage_switches = runs > len(set(profile.sequence)) and policy == "full"
-    switched = [k.kind for k in profile.kinds if (stage_switches if pipelined else k.in_pattern)]
+    switched = [] if pipelined else [k.kind for k in profile.kinds if k.in_pattern]
     switched = switched if len(switched) > 1 else []
     device = host = 0.0
     for path in profile.sequence:
@@ -245,10 +246,11 @@ def update_phase(leaves) -> float:
 def estimate_memory(profile: ModelProfile, state: StateBytes, *, policy: str, sizes: dict[str, int],
                     rules_name: str, global_batch: int, seq_len: int, microbatches: int, loss_chunk: int,
                     platform: Platform = GPU, pipeline_ticks: int = 0, pipeline_passes: int = 1,
-                    pipeline_work: float = 1.0) -> MemoryEstimate:
+                    pipeline_work: float = 1.0, kv_exchange=RingKV()) -> MemoryEstimate:
     """The memory of one train step per device (module docstring), the model's layers under
     remat `policy`. With a pipeline: the ticks and passes of its schedule, and a stage's slots
-    per pass relative to an even share of the layers (`pipeline_work`, > 1 with padding)."""
+    per pass relative to an even share of the layers (`pipeline_work`, > 1 with padding).
+    `kv_exchange`: the plan's K/V exchange over `context` (MLA's per-head keys/values: context_kv.py)."""
     data_parallel = sizes["data"] * sizes["expert"]
     rows = global_batch / microbatches / data_parallel
     length = seq_len / sizes["context"]
@@ -264,6 +266,12 @@ def estimate_memory(profile: ModelProfile, state: StateBytes, *, policy: str, si
                    for k in profile.kinds}
     kept_exchange = {k.kind: exchange_saved(k, kind_leaves[k.kind], sizes, working, profile, platform, policy)
                      for k in profile.kinds}
+    # MLA under a per-head context exchange keeps per-head keys/values, not the traced latent's
+    kv_itemsize = profile.compute_itemsize * (2 if platform.widen_half and profile.compute_itemsize == 2 else 1)
+    kv_tokens = working.rows * working.length
+    for k in profile.kinds:
+        kept_exchange[k.kind] += per_head_kv_saved(kind_leaves[k.kind], kv_exchange, sizes["context"], kv_tokens,
+                                                   kv_itemsize, policy)
     saved, host_saved = saved_activations(profile, policy, shape, pipelined=sizes["pipeline"] > 1, extra=kept_exchange)
     if sizes["pipeline"] > 1:
         # A stage keeps its slots' activations for every tick it has a microbatch in flight.
@@ -292,7 +300,8 @@ def estimate_memory(profile: ModelProfile, state: StateBytes, *, policy: str, si
         layer_backward = max(layer_backward, kind.bytes("none", working) + gathered_copies(leaves)
                              + unreduced_gradients(leaves) + exchange_buffers(kind, leaves, sizes, working,
                                                                                profile, platform, policy)
-                             + slot_backward_buffers(kind, leaves, sizes, working, profile, platform))
+                             + slot_backward_buffers(kind, leaves, sizes, working, profile, platform)
+                             + per_head_kv_backward(leaves, kv_exchange, sizes["context"], kv_tokens, kv_itemsize))
     compute_itemsize = profile.compute_itemsize
     # The LM head (or the tied embedding) cast to the compute dtype for the logits' matmul.
     head_leaves = ([leaf for leaf in other_leaves if leaf.names[-1:] == ("vocab",)]

@@ -17,7 +17,8 @@ depends on it.
 
 Under autodiff a switch keeps the residuals of every branch at every step (zeros for the kinds
 that did not run): with remat `full` that is only the step's input; with `none` or `dots` each
-step keeps what every kind would save.
+step keeps what every kind would save (models/layers/kind_residuals.py has the switch with its
+own VJP that a pipeline stage runs there).
 """
 from __future__ import annotations
 

@@ -1,0 +1,168 @@
+"""A scan over layers of several kinds, with a switch on the kind, whose backward pass keeps each
+kind's residuals only at the steps that run that kind.
+
+A differentiated `lax.switch` keeps the residuals of EVERY branch at every step (JAX transposes a
+switch through a cond whose outputs are all branches' residuals; zeros for the ones not taken).
+Under remat `none`/`dots` a hybrid stack then holds every kind's activations at every slot. Here
+the loop has its own VJP (`jax.custom_vjp`):
+
+- forward: one scan over the steps; at a step of kind k the switch's branch k runs `jax.vjp` of
+  kind k's layer (under the remat policy) and writes the vjp's residual leaves into kind k's own
+  buffers, stacked over that kind's occurrences (step -> occurrence is static). A residual that IS
+  one of the layer's weights (a view of the stacks) is not stored: the backward slices it again.
+- backward: one reverse scan; branch k rebuilds kind k's vjp from its buffers' row and applies it,
+  adding the weight gradient into kind k's stacks.
+
+So the residuals are what a scan per run of one kind keeps, while XLA compiles one layer per kind.
+`take` and `apply` may be vmapped (a pipeline's stages): the loop itself must not be, as a
+`jax.vjp` traced before a `vmap(spmd_axis_name=...)` batches it fails on layers holding a
+`shard_map` (jax 0.10: "vmap spmd_axis_name cannot appear in shard_map out_specs").
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.layers.layer_scan import REMAT_POLICIES, check_remat
+
+# take(k, stack_k, read, ctx) -> one layer's weights of kind k (views only: sliced again in the
+#   backward pass instead of saved); read: the step's index into kind k's stack (traced).
+# apply(k, x, weights, ctx, step) -> (y, aux): one layer of kind k, the step's mask included.
+Take = Callable
+Apply = Callable
+
+
+def scan_kinds(take: Take, apply: Apply, x, stacks: Sequence, ctx, reads, kind_ids, remat: str = "none"):
+    """Applies step s's layer (kind kind_ids[s], weights take(k, stacks[k], reads[s], ctx)) in
+    step order. ctx: a pytree handed to take/apply (not differentiated: positions, masks).
+    reads: int [steps]. kind_ids: static ints [steps]. Returns (x, [aux of kind k stacked over
+    its steps, in step order])."""
+    kind_ids = np.asarray(kind_ids, np.int32)
+    kinds = len(stacks)
+    occurrence = np.zeros_like(kind_ids)
+    for k in range(kinds):
+        occurrence[kind_ids == k] = np.arange(np.sum(kind_ids == k))
+    counts = [int(np.sum(kind_ids == k)) for k in range(kinds)]
+    policy = REMAT_POLICIES[check_remat(remat)]
+    layer_fn = [_layer_fn(apply, k, policy) for k in range(kinds)]
+    plan = _ResidualPlan(take, layer_fn, kinds)
+
+    @jax.custom_vjp
+    def loop(x, stacks, ctx, reads):
+        return _forward(plan, x, stacks, ctx, reads, kind_ids, occurrence, counts)[0]
+
+    def loop_fwd(x, stacks, ctx, reads):
+        out, buffers = _forward(plan, x, stacks, ctx, reads, kind_ids, occurrence, counts)
+        return out, (stacks, ctx, reads, buffers)
+
+    def loop_bwd(res, cotangents):
+        stacks, ctx, reads, buffers = res
+        dx, daux = cotangents
+        dstacks = jax.tree.map(jnp.zeros_like, tuple(stacks))
+
+        def step(carry, inputs):
+            dx, dstacks = carry
+            kind, occ, read, s = inputs
+
+            def branch(k):
+                def run(dx, dstacks):
+                    w = take(k, stacks[k], read, ctx)
+                    rows = [jax.lax.dynamic_index_in_dim(b, occ, keepdims=False) for b in buffers[k]]
+                    vjp_fn = plan.rebuild(k, rows, w, ctx)
+                    d_aux = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, occ, keepdims=False), daux[k])
+                    dx_in, dw = vjp_fn((dx, d_aux))
+                    _, take_vjp = jax.vjp(lambda s_: take(k, s_, read, ctx), stacks[k])
+                    (dstack,) = take_vjp(dw)
+                    new = list(dstacks)
+                    new[k] = jax.tree.map(jnp.add, dstacks[k], dstack)
+                    return dx_in, tuple(new)
+                return run
+
+            dx, dstacks = jax.lax.switch(kind, [branch(k) for k in range(kinds)], dx, dstacks)
+            return (dx, dstacks), None
+
+        steps = (kind_ids, occurrence, reads, np.arange(len(kind_ids), dtype=np.int32))
+        (dx, dstacks), _ = jax.lax.scan(step, (dx, dstacks), steps, reverse=True)
+        return dx, dstacks, None, None
+
+    loop.defvjp(loop_fwd, loop_bwd)
+    return loop(x, tuple(stacks), ctx, reads)
+
+
+def _layer_fn(apply: Apply, k: int, policy):
+    def layer(x, w, ctx, step):
+        return apply(k, x, w, ctx, step)
+    if policy is None:
+        return layer
+    return jax.checkpoint(layer, policy=policy, prevent_cse=False, static_argnums=())
+
+
+class _ResidualPlan:
+    """Each kind's vjp residuals: their shapes (one traced vjp per kind), which of them are the
+    layer's own weights (sliced again, not stored), and how to rebuild the vjp from a row."""
+
+    def __init__(self, take, layer_fn, kinds):
+        self.take, self.layer_fn = take, layer_fn
+        self.treedefs, self.sources, self.shapes = {}, {}, {}
+    def _trace(self, k, x, stack, ctx, reads):
+        """Kind k's (y, aux) shapes, recording its residual layout from a trace typed like the
+        loop's step (traced read and step index), so that the layout matches the loop's."""
+        index = jax.ShapeDtypeStruct((), jnp.int32)
+        return jax.eval_shape(lambda x, s, c, r, t: self.vjp(k, x, self.take(k, s, r, c), c, t)[0][1],
+                              x, stack, ctx, index, index)
+
+    def vjp(self, k, x, w, ctx, step):
+        """(y, aux), and the stored residual leaves; records kind k's layout on the way."""
+        out, vjp_fn = jax.vjp(lambda x_, w_: self.layer_fn[k](x_, w_, ctx, step), x, w)
+        leaves, treedef = jax.tree_util.tree_flatten(vjp_fn)
+        by_id = {id(v): ("w", i) for i, v in enumerate(jax.tree.leaves(w))}
+        by_id.update({id(v): ("ctx", i) for i, v in enumerate(jax.tree.leaves(ctx))})
+        sources = tuple(by_id.get(id(v)) for v in leaves)
+        self.treedefs[k], self.sources[k] = treedef, sources
+        self.shapes[k] = [jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v))
+                          for v, src in zip(leaves, sources) if src is None]
+        return out, [v for v, src in zip(leaves, sources) if src is None]
+
+    def rebuild(self, k, rows, w, ctx):
+        if len(rows) != len(self.shapes[k]):
+            raise AssertionError(f"kind {k}: {len(rows)} stored residuals, its vjp takes {len(self.shapes[k])}")
+        rows, w_leaves, ctx_leaves = iter(rows), jax.tree.leaves(w), jax.tree.leaves(ctx)
+        leaves = [next(rows) if src is None else (w_leaves if src[0] == "w" else ctx_leaves)[src[1]]
+                  for src in self.sources[k]]
+        return jax.tree_util.tree_unflatten(self.treedefs[k], leaves)
+
+
+def _forward(plan: _ResidualPlan, x, stacks, ctx, reads, kind_ids, occurrence, counts):
+    kinds = len(stacks)
+    aux_shapes = [plan._trace(k, x, stacks[k], ctx, reads) for k in range(kinds)]
+    buffers = [tuple(jnp.zeros((counts[k],) + s.shape, s.dtype) for s in plan.shapes[k]) for k in range(kinds)]
+    aux_zero = [jax.tree.map(lambda s, n=counts[k]: jnp.zeros((n,) + s.shape, s.dtype), aux_shapes[k])
+                for k in range(kinds)]
+
+    def step(carry, inputs):
+        x, aux, buffers = carry
+        kind, occ, read, s = inputs
+
+        def branch(k):
+            def run(x, aux, buffers):
+                w = plan.take(k, stacks[k], read, ctx)
+                (y, a), res = plan.vjp(k, x, w, ctx, s)
+                if len(res) != len(buffers[k]):
+                    raise AssertionError(f"kind {k}: the step's vjp keeps {len(res)} residuals, "
+                                         f"its buffers hold {len(buffers[k])}")
+                new_buffers, new_aux = list(buffers), list(aux)
+                new_buffers[k] = tuple(jax.lax.dynamic_update_index_in_dim(b, r, occ, 0)
+                                       for b, r in zip(buffers[k], res))
+                new_aux[k] = jax.tree.map(lambda t, v: jax.lax.dynamic_update_index_in_dim(t, v, occ, 0), aux[k], a)
+                return y, tuple(new_aux), tuple(new_buffers)
+            return run
+
+        x, aux, buffers = jax.lax.switch(kind, [branch(k) for k in range(kinds)], x, aux, buffers)
+        return (x, aux, buffers), None
+
+    steps = (kind_ids, occurrence, reads, np.arange(len(kind_ids), dtype=np.int32))
+    (x, aux, buffers), _ = jax.lax.scan(step, (x, tuple(aux_zero), tuple(buffers)), steps)
+    return (x, list(aux)), buffers

@@ -1,0 +1,121 @@
+"""The switched layer loop with its own VJP (models/layers/kind_residuals.py, a pipeline stage's
+`loop="kinds"`): equal to a Python loop over the same layers and to a stage run run by run
+(outputs, aux, gradients) under remat none / dots / full, and its backward pass keeps each kind's
+residuals only at that kind's slots: what run by run keeps, where a plain `lax.switch` keeps
+every kind's at every slot."""
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import assert_trees_close
+from meshes.pipeline_split import plan_stages
+from models.layers.kind_residuals import scan_kinds
+from models.layers.pattern_stack import pattern_slots
+from models.stage_program import StageProgram, layer_sequence
+from test_layer_scan import (D, KEEP, KINDS, LAYERS, hybrid, loop_reference, loss_of, residual_bytes,  # noqa: F401
+                             stage_inputs, toy, toy_stacks)
+
+pytestmark = [pytest.mark.slow]  # the stage cases compile a tiny hybrid model's stages
+
+
+def take(k, stack, read, ctx):
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, read, keepdims=False), stack)
+
+
+def apply(k, x, w, ctx, step):
+    y, aux = LAYERS[k](x, w)
+    ok = ctx["keep"][step]
+    return jnp.where(ok, y, x), jax.tree.map(lambda a: jnp.where(ok, a, jnp.zeros_like(a)), aux)
+
+
+def kinds_loop(stacks, x, remat):
+    reads = jnp.asarray([index for _, index in pattern_slots(KINDS)], jnp.int32)
+    return scan_kinds(take, apply, x, stacks, {"keep": jnp.asarray(KEEP)}, reads, KINDS, remat=remat)
+
+
+@pytest.mark.parametrize("remat", ["none", "dots", "full"])
+def test_the_kinds_loop_equals_a_python_loop(toy, remat):
+    stacks, x, (ref_y, ref_aux), (ref_loss, ref_grads) = toy
+    y, aux = jax.jit(kinds_loop, static_argnums=2)(stacks, x, remat)
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves((y, aux)))
+    assert_trees_close((y, aux), (ref_y, ref_aux), rtol=1e-6, atol=1e-6)
+    loss, grads = loss_of(lambda s, x: kinds_loop(s, x, remat))(stacks, x)
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves((loss, grads)))
+    np.testing.assert_array_equal(grads[0][2]["up"][1], 0.0)  # the masked mlp step: no gradient
+    assert_trees_close((loss, grads), (ref_loss, ref_grads), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("remat", ["none", "dots"])
+def test_the_kinds_loop_keeps_each_kinds_residuals_at_its_own_steps_only(toy, remat):
+    """Counted from the trace: a kind's buffers are stacked over its own steps (KINDS.count(k)
+    rows), never over all steps, and hold no copy of a step's weights."""
+    stacks, x, _, _ = toy
+    _, backward = jax.vjp(lambda s, x: kinds_loop(s, x, remat), stacks, x)
+    kept = collections.Counter(tuple(r.shape) for r in jax.tree.leaves(backward))
+    assert kept[(KINDS.count(0), 3, D)], kept  # the dense kind's activations, one row per dense step
+    # nothing per step of every kind (the steps' keep mask, an input, aside)
+    assert not {s for s in kept if s[:1] == (len(KINDS),) and len(s) > 1}, kept
+    # the stacks are kept once (an input); a weight sliced per step, stacked over the kind's steps,
+    # would be a second leaf of a stack's shape (each kind's steps here are its stack's layers)
+    stack_shapes = collections.Counter(w.shape for s in stacks for w in jax.tree.leaves(s))
+    assert all(kept[shape] == n for shape, n in stack_shapes.items()), (kept, stack_shapes)
+
+
+def every_stage_inputs(model, plan):
+    ins = [stage_inputs(model, plan, s) for s in range(plan.stages)]
+    stack = lambda *a: jnp.stack(a)
+    return jax.tree.map(stack, *[i[0] for i in ins]), jax.tree.map(stack, *[i[1] for i in ins])
+
+
+def stage_losses(program, kind_loop: bool, valid, repeat, side):
+    positions, segments = side
+
+    def run(params, x):
+        if kind_loop:
+            return program.every_stage(params, valid, repeat, x, positions, segments)
+        return jax.vmap(program)(params, valid, repeat, x, positions, segments)
+
+    def loss(params, x):
+        y, aux = run(params, x)
+        return jnp.sum(y ** 2) + sum(jnp.sum(a.astype(jnp.float32) ** 2) for a in jax.tree.leaves(aux)), (y, aux)
+    return run, jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+
+# gpipe: remat none (~12 s; test_pipeline_nemotron_h's dp_sp case trains such a stage against one
+# device in make test); interleaved: StageProgram turns `none` into `dots` with several passes
+@pytest.mark.parametrize("repeats,counts", [pytest.param(1, (5, 3), marks=pytest.mark.extended), (2, (3, 1, 2, 2))],
+                         ids=["gpipe_5_3_none", "interleaved_dots"])
+def test_every_stage_at_once_equals_run_by_run(hybrid, repeats, counts):
+    model, (x, positions, segments) = hybrid
+    plan = plan_stages(layer_sequence(model), stages=2, repeats=repeats, counts=counts)
+    params, valid = every_stage_inputs(model, plan)
+    xs, side = jnp.stack([x, -0.5 * x]), (jnp.stack([positions] * 2), jnp.stack([segments] * 2))
+    repeat = jnp.asarray([repeats - 1, 0], jnp.int32)  # the stages in different passes
+    kinds = StageProgram(model, plan.pattern, passes=repeats, loop="kinds")
+    assert kinds.all_stages and kinds.layer_remat == ("none" if repeats == 1 else "dots")
+    runs = StageProgram(model, plan.pattern, passes=repeats, loop="runs")
+    (ref_loss, ref_out), ref_grads = stage_losses(runs, False, valid, repeat, side)[1](params, xs)
+    (loss, out), grads = stage_losses(kinds, True, valid, repeat, side)[1](params, xs)
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves((loss, out, grads)))
+    assert_trees_close((loss, out), (ref_loss, ref_out), rtol=1e-5, atol=1e-5)
+    assert_trees_close(grads, ref_grads, rtol=1e-4, atol=1e-4)
+
+
+def test_a_kinds_stage_keeps_what_run_by_run_keeps_under_remat_none(hybrid):
+    """The claim itself, counted on the traced program: the stage's backward holds the residual
+    bytes run by run holds (each kind's at its own slots), while a plain switch holds every kind's
+    at every slot."""
+    model, (x, positions, segments) = hybrid
+    plan = plan_stages(layer_sequence(model), stages=2, repeats=1, counts=(5, 3))
+    params, valid = every_stage_inputs(model, plan)
+    xs, side = jnp.stack([x, x]), (jnp.stack([positions] * 2), jnp.stack([segments] * 2))
+    repeat = jnp.zeros((2,), jnp.int32)
+    kept = {}
+    for loop in ("runs", "switched", "kinds"):
+        program = StageProgram(model, plan.pattern, passes=1, loop=loop)
+        kept[loop] = residual_bytes(stage_losses(program, loop == "kinds", valid, repeat, side)[0], params, xs)
+    assert kept["switched"] >= 1.5 * kept["runs"], kept  # the plain switch: every kind per slot
+    assert kept["kinds"] <= 1.02 * kept["runs"], kept
