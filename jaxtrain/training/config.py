@@ -42,7 +42,7 @@ class TrainConfig:
     seed: int = 0
     rules: str = "dp"  # rule table in meshes/rules.py: dp | zero1 | fsdp | dp_sp | fsdp_sp
     # The sequence over the `context` axis: layout (LoadBalanced | Contiguous) and how ranks see
-    # each other's keys (RingKV | AllGatherKV); meshes/context_layout.py.
+    # each other's keys (RingKV | AllGatherKV | LatentKV: MLA gathers its latent); meshes/context_layout.py.
     context_parallel: ContextParallel = ContextParallel()
     # Old-style bindings of fields that moved (jaxtrain/training/moved_bindings.py), as
     # ((name, value), ...): load_experiment hands them to their new configurables.
