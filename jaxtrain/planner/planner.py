@@ -104,7 +104,7 @@ class Planner:
         return estimate_memory(self.profile, state, policy=self.policy(plan), sizes=sizes, rules_name=plan.rules,
                                global_batch=global_batch or w.global_batch, seq_len=w.seq_len,
                                microbatches=plan.microbatches, loss_chunk=w.loss_chunk, platform=platform or self.platform, pipeline_ticks=ticks,
-                               pipeline_passes=passes, pipeline_work=work)
+                               pipeline_passes=passes, pipeline_work=work, kv_exchange=plan.context_parallel.kv_exchange)
 
     def _ticks(self, plan: ParallelPlan) -> tuple[int, int, float]:
         stages = plan.mesh.pipeline
@@ -129,7 +129,8 @@ class Planner:
                              microbatches=plan.microbatches, peak_flops=self.group.spec.peak_flops, links=self.links,
                              devices_per_node=self.group.spec.devices_per_node, host_bytes=host,
                              host_gbps=self.host_gbps, pipeline_ticks=ticks, pipeline_passes=passes,
-                             pipeline_work=work, efficiency=self.efficiency)
+                             pipeline_work=work, efficiency=self.efficiency,
+                             kv_exchange=plan.context_parallel.kv_exchange)
         claimed = memory.peak * (1 + self.margin)
         devices = math.prod(sizes.values())
         tokens = w.global_batch * w.seq_len / time.total

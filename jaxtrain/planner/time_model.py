@@ -17,8 +17,9 @@ pipeline bubble, and what overlaps.
                             backward and the remat recompute
                   experts   all-to-all of the routed token copies there and back, forward,
                             backward and recompute
-                  context   each attention layer's keys/values (or MLA latents) around the
-                            ring, forward, and keys/values plus their gradients backward
+                  context   each attention layer's keys/values around the ring (MLA: per-head
+                            keys/values, or its latent under kv=latent: context_kv.py),
+                            forward, and keys/values plus their gradients backward
                   pipeline  each tick's activations to the next stage and gradients back
     overlap     FSDP gathers, gradient reductions and ring exchanges run beside the compute
                 (hidden up to the compute time); tensor and expert exchanges sit on the
@@ -33,9 +34,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxtrain.planner.context_kv import exchanged_width
 from jaxtrain.planner.layer_profile import ModelProfile, pipelined_policy
 from jaxtrain.planner.links import BETWEEN_GROUPS, LinkTable, slowest_link
 from jaxtrain.planner.state_bytes import TOKEN_AXES, StateBytes
+from meshes.context_settings import RingKV
 
 F32 = 4
 RECOMPUTE = {"none": 0.0, "full": 1 / 3, "dots": 1 / 6, "dots_no_batch": 1 / 6, "offload_dots": 1 / 6}
@@ -78,11 +81,12 @@ def estimate_time(profile: ModelProfile, state: StateBytes, *, policy: str, flop
                   sizes: dict[str, int], global_batch: int, seq_len: int, microbatches: int, peak_flops: float,
                   links: LinkTable, devices_per_node: int, host_bytes: float = 0.0, host_gbps: float = 25.0,
                   pipeline_ticks: int = 0, pipeline_passes: int = 1, pipeline_work: float = 1.0,
-                  efficiency: Efficiency = Efficiency(), group_axes: tuple = ()) -> StepTime:
+                  efficiency: Efficiency = Efficiency(), group_axes: tuple = (), kv_exchange=RingKV()) -> StepTime:
     """`pipeline_work`: a stage's work per pass relative to an even share of the layers (padding);
     `host_bytes`: bytes per device that go to host memory and back each step (optimizer state
     with `+opt_host`, offloaded activations) over a `host_gbps` link; `group_axes`: axes whose
-    collectives cross between device groups (mixed clusters)."""
+    collectives cross between device groups (mixed clusters); `kv_exchange`: the plan's K/V
+    exchange over `context` (what MLA moves: context_kv.py)."""
     devices = _size(sizes, sizes)
     if sizes["pipeline"] > 1:
         policy = pipelined_policy(policy, pipeline_passes)
@@ -140,7 +144,7 @@ def estimate_time(profile: ModelProfile, state: StateBytes, *, policy: str, flop
                 add("tensor", "all_reduce", ("tensor",), routed, passes * layers_here)
                 row_parallel -= sum(1 for leaf in leaves if leaf.names[-1] == "expert_embed")
         add("tensor", "all_reduce", ("tensor",), activation * row_parallel, passes * layers_here)
-        kv = sum(_kv_width(leaf, profile.embed) for leaf in leaves) * tokens * compute_bytes
+        kv = exchanged_width(leaves, profile.embed, kv_exchange) * tokens * compute_bytes
         ring = sizes["context"] - 1
         add("context", "permute", ("context",), kv * ring, (passes - 1 + 2) * layers_here)
 
@@ -162,14 +166,3 @@ def estimate_time(profile: ModelProfile, state: StateBytes, *, policy: str, flop
 def leaf_axes(leaf) -> tuple:
     """The axes a routed-expert weight's experts are split over (expert parallelism)."""
     return tuple(a for a in leaf.compute_axes if a in TOKEN_AXES + ("expert",))
-
-
-def _kv_width(leaf, embed: int) -> int:
-    """Values per token a key/value projection produces (what context parallelism moves):
-    weights from the model width to kv heads, MLA's latent, or a key shared by every head."""
-    names = leaf.names[leaf.names.index("layers") + 1:] if "layers" in leaf.names else leaf.names
-    if len(names) < 2 or names[0] != "embed":
-        return 0
-    if "kv_heads" in names or "kv_lora" in names or names[1:] == ("head_dim",):
-        return leaf.gathered_bytes // leaf.itemsize // embed  # per device: kv heads split over tensor
-    return 0
