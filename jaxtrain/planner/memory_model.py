@@ -5,7 +5,8 @@
 
       backward  = saved activations of every layer (layer_profile.py, under the remat policy;
                   without remat a MoE layer with an expert exchange also keeps the rows it
-                  received, EP x its own slots: exchange_saved)
+                  received, EP x its own slots: exchange_saved; MLA under a per-head context
+                  exchange its per-head keys/values: context_kv.py)
                 + the gradient accumulators (float32, laid out like the optimizer state)
                 + one more set of them when microbatches are accumulated
                 + the larger of
