@@ -7,6 +7,7 @@ hold every gradient unreduced (make_update.gradient_layouts). Here: the update s
 where they are (no more temp than per-leaf reductions), and a pipelined ZeRO-1 step, whose
 gradients are in the stage layout, takes one psum per norm and the unpipelined model's norms."""
 import dataclasses
+import functools
 import re
 
 import jax
@@ -40,12 +41,17 @@ def _vector_all_reduces(hlo: str, length: int) -> int:
 UPDATE_MODEL = LlamaConfig(vocab_size=512, embed=128, layers=2, heads=4, kv_heads=4, mlp=512)
 
 
+@functools.lru_cache(maxsize=1)
+def _zero1_setup():
+    return build_train_setup(UPDATE_MODEL, ParallelPlan.parse("data=8,rules=zero1"),
+                             TrainConfig(global_batch=16, seq_len=16), OptimizerConfig(), jax.devices()[:8])
+
+
 def _update_temp(params_layouts: str) -> int:
     """Temp bytes of the guarded update on data=8,rules=zero1 with the gradients given in the
     moments' layout (as the step's backward leaves them) and the norms' shard_map over
     `params_layouts`: "moments" (the step's choice), "params", or "per_leaf" (no shard_map)."""
-    setup = build_train_setup(UPDATE_MODEL, ParallelPlan.parse("data=8,rules=zero1"),
-                              TrainConfig(global_batch=16, seq_len=16), OptimizerConfig(), jax.devices()[:8])
+    setup = _zero1_setup()
     shardings = setup.state.shardings
     moments = gradient_layouts(shardings.params, shardings.opt_state)
     update = make_update(setup.state.graphdef, setup.tx, setup.lr_schedule, rules=setup.rules,
@@ -72,9 +78,7 @@ def test_the_gradient_norm_sums_zero1_gradients_where_they_are():
     are whole. The norms' one psum costs no more temp than per-leaf reductions; over the
     parameters' layouts it gathers the gradients first (the +1.25 GiB of the full-size draw)."""
     ours, per_leaf, over_params = (_update_temp(k) for k in ("moments", "per_leaf", "params"))
-    params_bytes = sum(int(np.prod(p.shape)) * 4 for p in jax.tree.leaves(
-        build_train_setup(UPDATE_MODEL, ParallelPlan.parse("data=8,rules=zero1"), TrainConfig(global_batch=16, seq_len=16),
-                          OptimizerConfig(), jax.devices()[:8]).state.abstract.params))
+    params_bytes = sum(int(np.prod(p.shape)) * 4 for p in jax.tree.leaves(_zero1_setup().state.abstract.params))
     print(f"update temp (MiB): moments' layouts {ours / 2**20:.3f}, per leaf {per_leaf / 2**20:.3f}, "
           f"parameters' layouts {over_params / 2**20:.3f}; parameters {params_bytes / 2**20:.3f}")
     assert ours <= 1.02 * per_leaf, (ours, per_leaf)
@@ -82,9 +86,7 @@ def test_the_gradient_norm_sums_zero1_gradients_where_they_are():
 
 
 def test_gradient_layouts_are_the_moments_layouts():
-    setup = build_train_setup(UPDATE_MODEL, ParallelPlan.parse("data=8,rules=zero1"),
-                              TrainConfig(global_batch=16, seq_len=16), OptimizerConfig(), jax.devices()[:8])
-    shardings = setup.state.shardings
+    shardings = _zero1_setup().state.shardings
     got = gradient_layouts(shardings.params, shardings.opt_state)
     mu = next(s.mu for s in jax.tree.leaves(shardings.opt_state, is_leaf=lambda x: hasattr(x, "mu"))
               if hasattr(s, "mu"))
@@ -142,10 +144,10 @@ def test_a_grouped_steps_update_takes_one_psum_per_norm():
     setup = build_train_setup(TINY_LLAMA, plan, TRAIN, PIPELINE_OPT, jax.devices()[:8], groups=DeviceGroups(rows=(12, 4)))
     state = setup.state_from_params(initial_params(TINY_LLAMA))
     batches = setup.device_batch(random_packed_batch(100, TRAIN.global_batch, TRAIN.seq_len, TINY_LLAMA.vocab_size))
-    grads = setup.train_step._groups_outputs(state, batches)[0]
-    g64 = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64).sum(0))) for g in jax.tree.leaves(grads)))
-    compiled = setup.train_step.lower_update(state, batches).compile()
+    inputs = setup.train_step.update_inputs(state, batches)  # the groups' stacked gradients, ...
+    g64 = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64).sum(0))) for g in jax.tree.leaves(inputs[0])))
+    compiled = setup.train_step.lower_update(state, *inputs).compile()
     assert _vector_all_reduces(compiled.as_text(), len(jax.tree.leaves(state.params))) == 2
-    _, metrics = setup.train_step(state, batches)
+    _, metrics = compiled(state, *inputs)
     assert_finite(jax.device_get(metrics), "metrics")
     np.testing.assert_allclose(float(metrics["grad_norm"]), g64, rtol=1e-5)

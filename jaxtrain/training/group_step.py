@@ -87,15 +87,16 @@ class GroupedTrainStep:
                               out_shardings=(state_shardings, everywhere), donate_argnums=(0,))
 
     def __call__(self, state: dict, batches: dict):
-        return self._apply(state, *self._groups_outputs(state, batches))
+        return self._apply(state, *self.update_inputs(state, batches))
 
-    def lower_update(self, state: dict, batches: dict):
+    def lower_update(self, state: dict, grads, sums, aux, total_tokens):
         """The program over all devices that sums the groups' outputs and updates, lowered for
-        these inputs (to inspect its collectives); runs the groups' programs to get its inputs."""
-        return self._apply.lower(state, *self._groups_outputs(state, batches))
+        these inputs (update_inputs), to inspect or run it on its own."""
+        return self._apply.lower(state, grads, sums, aux, total_tokens)
 
-    def _groups_outputs(self, state: dict, batches: dict):
-        """(grads, sums, aux stacked over groups, total tokens): the update program's inputs."""
+    def update_inputs(self, state: dict, batches: dict):
+        """(grads, sums, aux stacked over groups, total tokens): the update program's inputs,
+        from the groups' own programs (step phases 1 and 2)."""
         layout = self.layout
         counts = layout.stack({g: self._count[g](batches[g]) for g in layout.own})
         total_tokens = self._total_tokens(counts)
