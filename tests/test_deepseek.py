@@ -33,7 +33,13 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+# All 16 devices on experts runs in `make test-extended` (the suite's budget); expert4_data4 keeps
+# expert parallelism (all-to-all dispatch) with data beside it in the suite.
+EXTENDED_LAYOUTS = {"expert16"}
+
+
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.extended] if name in EXTENDED_LAYOUTS else [])
+                                    for name in sorted(LAYOUTS)])
 def test_layout_matches_single_device(single_device, layout):
     mesh_cfg, rules = LAYOUTS[layout]
     ref_losses, ref_params, _ = single_device

@@ -90,6 +90,7 @@ def test_uneven_groups_train_as_one_program_and_share_checkpoints(tmp_path):
                         [want[2], want[2]])
 
 
+@pytest.mark.extended  # ~40 s; the uneven dense groups above and test_run_configs' device-groups case stay in the suite
 def test_moe_groups_train_as_one_program():
     """Expert parallelism within each group; the aux loss is a mean per microbatch, averaged over
     the 4 microbatches of both groups."""

@@ -48,7 +48,13 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+# Pure data parallelism over 16 runs in `make test-extended` (the suite's budget): the other two
+# layouts split the same batch over data too, with heads or experts on top.
+EXTENDED_LAYOUTS = {"data16"}
+
+
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.extended] if name in EXTENDED_LAYOUTS else [])
+                                    for name in sorted(LAYOUTS)])
 def test_layout_matches_single_device(single_device, init_params, layout):
     mesh_cfg, rules = LAYOUTS[layout]
     ref_losses, ref_params, _ = single_device

@@ -85,6 +85,7 @@ def test_rollback_gives_up_when_every_step_diverges(tmp_path):
     assert "still non-finite after 2 rollbacks" in proc.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.extended  # ~30 s of CLI runs; test_poisoned_batch_halts_... (nothing saved after a non-finite step) stays
 def test_diverging_run_resumed_from_a_good_one_keeps_the_good_checkpoints(tmp_path):
     workdir = tmp_path / "run"
     good = train(workdir, "TrainConfig.steps=4", "CheckpointConfig.checkpoint_every=1", "CheckpointConfig.keep_checkpoints=2")
