@@ -5,10 +5,11 @@ plain stack, `("stacks", "blocks", "moe")` for one kind of a `PatternStack`. Eve
 model is (kind, index within its kind), in the order the model applies them.
 
 A stage runs its slots (meshes/pipeline_split.py) as one program, the same on every stage: one
-masked scan with a switch on each slot's kind, which compiles one layer of each kind, when its
-kinds alternate (models/layers/layer_scan.py under remat `full`, models/layers/kind_residuals.py
-under `none`/`dots`, over every stage at once); else a masked scan per run of one kind
-(`stage_loop` says why).
+masked scan with a switch on each slot's kind (models/layers/layer_scan.py), which compiles one
+layer of each kind, when its kinds alternate under remat `full`; else a masked scan per run of
+one kind (`stage_loop` says why). `loop="kinds"` runs the switch with its own VJP over every
+stage at once (models/layers/kind_residuals.py): remat `none`/`dots` without every kind's
+residuals at every slot, not yet chosen by `stage_loop` (its XLA temp).
 """
 from __future__ import annotations
 
@@ -222,22 +223,21 @@ def alternates(kinds_in_order) -> bool:
 
 
 def stage_loop(pattern, layer_remat: str) -> str:
-    """How a stage runs its slots. Kinds that alternate: one scan over the slots with a switch on
-    the kind, which compiles one layer of each kind ("switched" under remat `full`, where each slot
-    keeps only its input whatever the kind; "kinds" under `none`/`dots`: the switch's own VJP keeps
-    each kind's residuals at its own slots, models/layers/kind_residuals.py). Else "runs": a scan
-    per run of one kind, the weights the scan's input (kinds in one run each gain nothing from a
-    switch).
+    """How a stage runs its slots: "switched" (one scan over the slots with a switch on the kind,
+    which compiles one layer of each kind) when its kinds alternate under remat `full`, where each
+    slot keeps only its input whatever the kind; else "runs": a scan per run of one kind, the
+    weights the scan's input (kinds in one run each gain nothing from a switch).
 
     Run by run, alternating kinds compile about one scan per layer (the Nemotron-shaped reference
     layout: 430 s against 28-45 s switched). A plain differentiated `lax.switch` keeps every
     branch's residuals at every slot (zeros for the kinds that did not run): under `none` or `dots`
     XLA temp 0.134 (runs) -> 0.275 GiB on a width-256 Mamba/MoE/attention stage
-    (benchmarks/stage_loop_memory.py); hence the kinds loop there. Under `full` the plain switch
-    holds what run by run holds: 0.065 (runs) vs 0.072 GiB there."""
-    if not alternates(pattern):
-        return "runs"
-    return "switched" if layer_remat == "full" else "kinds"
+    (benchmarks/stage_loop_memory.py). The "kinds" loop (the switch's own VJP keeps each kind's
+    residuals at its own slots, models/layers/kind_residuals.py) keeps run by run's residual bytes
+    in the trace, but XLA's temp there is still 0.226 (none) and 0.153 GiB (dots, runs 0.1075):
+    not chosen until it holds what run by run holds. Under `full` the plain switch holds what run
+    by run holds: 0.065 (runs) vs 0.072 GiB there."""
+    return "switched" if alternates(pattern) and layer_remat == "full" else "runs"
 
 
 def _layer_names(stack: LayerStack) -> dict:

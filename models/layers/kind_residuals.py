@@ -46,22 +46,16 @@ def scan_kinds(take: Take, apply: Apply, x, stacks: Sequence, ctx, reads, kind_i
     for k in range(kinds):
         occurrence[kind_ids == k] = np.arange(np.sum(kind_ids == k))
     counts = [int(np.sum(kind_ids == k)) for k in range(kinds)]
-    if 0 in counts:
-        raise ValueError(f"every kind of layer needs a step: steps per kind {counts}")
-    # the row of kind k's buffers each step reads or writes: its occurrence; at another kind's
-    # step, the row of kind k's previous (or first) step, written back unchanged
-    rows_at = tuple(np.maximum.accumulate(np.where(kind_ids == k, occurrence, 0)).astype(np.int32)
-                    for k in range(kinds))
     policy = REMAT_POLICIES[check_remat(remat)]
     layer_fn = [_layer_fn(apply, k, policy) for k in range(kinds)]
     plan = _ResidualPlan(take, layer_fn, kinds)
 
     @jax.custom_vjp
     def loop(x, stacks, ctx, reads):
-        return _forward(plan, x, stacks, ctx, reads, kind_ids, rows_at, counts)[0]
+        return _forward(plan, x, stacks, ctx, reads, kind_ids, occurrence, counts)[0]
 
     def loop_fwd(x, stacks, ctx, reads):
-        out, buffers = _forward(plan, x, stacks, ctx, reads, kind_ids, rows_at, counts)
+        out, buffers = _forward(plan, x, stacks, ctx, reads, kind_ids, occurrence, counts)
         return out, (stacks, ctx, reads, buffers)
 
     def loop_bwd(res, cotangents):
@@ -71,19 +65,15 @@ def scan_kinds(take: Take, apply: Apply, x, stacks: Sequence, ctx, reads, kind_i
 
         def step(carry, inputs):
             dx, dstacks = carry
-            kind, occ, read, s, rows_at = inputs
-            # every kind's row read here, outside the switch (a kind not at this step reads a row
-            # it does not use): the buffers never become operands of the conditional
-            rows = [[jax.lax.dynamic_index_in_dim(b, rows_at[k], keepdims=False) for b in buffers[k]]
-                    for k in range(kinds)]
-            d_auxes = [jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, rows_at[k], keepdims=False), daux[k])
-                       for k in range(kinds)]
+            kind, occ, read, s = inputs
 
             def branch(k):
-                def run(dx, dstacks, rows, d_auxes):
+                def run(dx, dstacks):
                     w = take(k, stacks[k], read, ctx)
-                    vjp_fn = plan.rebuild(k, rows[k], w, ctx)
-                    dx_in, dw = vjp_fn((dx, d_auxes[k]))
+                    rows = [jax.lax.dynamic_index_in_dim(b, occ, keepdims=False) for b in buffers[k]]
+                    vjp_fn = plan.rebuild(k, rows, w, ctx)
+                    d_aux = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, occ, keepdims=False), daux[k])
+                    dx_in, dw = vjp_fn((dx, d_aux))
                     _, take_vjp = jax.vjp(lambda s_: take(k, s_, read, ctx), stacks[k])
                     (dstack,) = take_vjp(dw)
                     new = list(dstacks)
@@ -91,10 +81,10 @@ def scan_kinds(take: Take, apply: Apply, x, stacks: Sequence, ctx, reads, kind_i
                     return dx_in, tuple(new)
                 return run
 
-            dx, dstacks = jax.lax.switch(kind, [branch(k) for k in range(kinds)], dx, dstacks, rows, d_auxes)
+            dx, dstacks = jax.lax.switch(kind, [branch(k) for k in range(kinds)], dx, dstacks)
             return (dx, dstacks), None
 
-        steps = (kind_ids, occurrence, reads, np.arange(len(kind_ids), dtype=np.int32), rows_at)
+        steps = (kind_ids, occurrence, reads, np.arange(len(kind_ids), dtype=np.int32))
         (dx, dstacks), _ = jax.lax.scan(step, (dx, dstacks), steps, reverse=True)
         return dx, dstacks, None, None
 
@@ -145,42 +135,34 @@ class _ResidualPlan:
         return jax.tree_util.tree_unflatten(self.treedefs[k], leaves)
 
 
-def _forward(plan: _ResidualPlan, x, stacks, ctx, reads, kind_ids, rows_at, counts):
-    """The loop's forward: (x, aux per kind), and each kind's residual buffers ([count, ...]). The
-    switch returns the step's residuals of every kind (zeros for the kinds not run, one step's
-    worth); they are written into the buffers outside it (a kind not run writes back the row it
-    read), so the buffers are never operands of the conditional (which XLA would copy)."""
+def _forward(plan: _ResidualPlan, x, stacks, ctx, reads, kind_ids, occurrence, counts):
     kinds = len(stacks)
     aux_shapes = [plan._trace(k, x, stacks[k], ctx, reads) for k in range(kinds)]
-    res_shapes = [list(plan.shapes[k]) for k in range(kinds)]
-    buffers = [tuple(jnp.zeros((counts[k],) + s.shape, s.dtype) for s in res_shapes[k]) for k in range(kinds)]
+    buffers = [tuple(jnp.zeros((counts[k],) + s.shape, s.dtype) for s in plan.shapes[k]) for k in range(kinds)]
     aux_zero = [jax.tree.map(lambda s, n=counts[k]: jnp.zeros((n,) + s.shape, s.dtype), aux_shapes[k])
                 for k in range(kinds)]
-    zeros = lambda shapes: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
     def step(carry, inputs):
         x, aux, buffers = carry
-        read, s, at, kind = inputs
+        kind, occ, read, s = inputs
 
         def branch(k):
-            def run(x):
+            def run(x, aux, buffers):
                 w = plan.take(k, stacks[k], read, ctx)
                 (y, a), res = plan.vjp(k, x, w, ctx, s)
-                if len(res) != len(res_shapes[k]):
+                if len(res) != len(buffers[k]):
                     raise AssertionError(f"kind {k}: the step's vjp keeps {len(res)} residuals, "
-                                         f"its buffers hold {len(res_shapes[k])}")
-                return (y, tuple(a if j == k else zeros(aux_shapes[j]) for j in range(kinds)),
-                        tuple(tuple(res) if j == k else zeros(tuple(res_shapes[j])) for j in range(kinds)))
+                                         f"its buffers hold {len(buffers[k])}")
+                new_buffers, new_aux = list(buffers), list(aux)
+                new_buffers[k] = tuple(jax.lax.dynamic_update_index_in_dim(b, r, occ, 0)
+                                       for b, r in zip(buffers[k], res))
+                new_aux[k] = jax.tree.map(lambda t, v: jax.lax.dynamic_update_index_in_dim(t, v, occ, 0), aux[k], a)
+                return y, tuple(new_aux), tuple(new_buffers)
             return run
 
-        y, a, res = jax.lax.switch(kind, [branch(k) for k in range(kinds)], x)
-        def write(t, v, k):
-            v = jnp.where(kind == k, v, jax.lax.dynamic_index_in_dim(t, at[k], keepdims=False))
-            return jax.lax.dynamic_update_index_in_dim(t, v, at[k], 0)
-        aux = tuple(jax.tree.map(lambda t, v, k=k: write(t, v, k), aux[k], a[k]) for k in range(kinds))
-        buffers = tuple(tuple(write(b, r, k) for b, r in zip(buffers[k], res[k])) for k in range(kinds))
-        return (y, aux, buffers), None
+        x, aux, buffers = jax.lax.switch(kind, [branch(k) for k in range(kinds)], x, aux, buffers)
+        return (x, aux, buffers), None
 
-    steps = (reads, np.arange(len(kind_ids), dtype=np.int32), rows_at, kind_ids)
+    steps = (kind_ids, occurrence, reads, np.arange(len(kind_ids), dtype=np.int32))
     (x, aux, buffers), _ = jax.lax.scan(step, (x, tuple(aux_zero), tuple(buffers)), steps)
     return (x, list(aux)), buffers
