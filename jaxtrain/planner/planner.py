@@ -22,6 +22,7 @@ from jaxtrain.planner.state_bytes import StateBytes, state_bytes, state_shapes
 from jaxtrain.planner.time_model import Efficiency, StepTime, estimate_time
 from jaxtrain.training.parallel_plan import ParallelPlan
 from meshes.rules import ShardingRuleError, get_rule_set
+from meshes.weight_gather import strategy as weight_gather_strategy
 from models.stage_program import layer_cost, layer_stacks
 
 
@@ -130,7 +131,8 @@ class Planner:
                              devices_per_node=self.group.spec.devices_per_node, host_bytes=host,
                              host_gbps=self.host_gbps, pipeline_ticks=ticks, pipeline_passes=passes,
                              pipeline_work=work, efficiency=self.efficiency,
-                             kv_exchange=plan.context_parallel.kv_exchange)
+                             kv_exchange=plan.context_parallel.kv_exchange,
+                             weight_gather=weight_gather_strategy(get_rule_set(plan.rules)))
         claimed = memory.peak * (1 + self.margin)
         devices = math.prod(sizes.values())
         tokens = w.global_batch * w.seq_len / time.total

@@ -39,6 +39,7 @@ from jaxtrain.planner.layer_profile import ModelProfile, pipelined_policy
 from jaxtrain.planner.links import BETWEEN_GROUPS, LinkTable, slowest_link
 from jaxtrain.planner.state_bytes import TOKEN_AXES, StateBytes
 from meshes.context_settings import RingKV
+from meshes.weight_gather import CastWhereUsed
 
 F32 = 4
 RECOMPUTE = {"none": 0.0, "full": 1 / 3, "dots": 1 / 6, "dots_no_batch": 1 / 6, "offload_dots": 1 / 6}
@@ -81,12 +82,15 @@ def estimate_time(profile: ModelProfile, state: StateBytes, *, policy: str, flop
                   sizes: dict[str, int], global_batch: int, seq_len: int, microbatches: int, peak_flops: float,
                   links: LinkTable, devices_per_node: int, host_bytes: float = 0.0, host_gbps: float = 25.0,
                   pipeline_ticks: int = 0, pipeline_passes: int = 1, pipeline_work: float = 1.0,
-                  efficiency: Efficiency = Efficiency(), group_axes: tuple = (), kv_exchange=RingKV()) -> StepTime:
+                  efficiency: Efficiency = Efficiency(), group_axes: tuple = (), kv_exchange=RingKV(),
+                  weight_gather=CastWhereUsed()) -> StepTime:
     """`pipeline_work`: a stage's work per pass relative to an even share of the layers (padding);
     `host_bytes`: bytes per device that go to host memory and back each step (optimizer state
     with `+opt_host`, offloaded activations) over a `host_gbps` link; `group_axes`: axes whose
     collectives cross between device groups (mixed clusters); `kv_exchange`: the plan's K/V
-    exchange over `context` (what MLA moves: context_kv.py)."""
+    exchange over `context` (what MLA moves: context_kv.py); `weight_gather`: the rule set's FSDP
+    gather strategy (meshes/weight_gather.py): one that casts before it gathers moves the compute
+    dtype's bytes, else the stored float32 is counted (where XLA places the convert is its choice)."""
     devices = _size(sizes, sizes)
     if sizes["pipeline"] > 1:
         policy = pipelined_policy(policy, pipeline_passes)
@@ -117,7 +121,8 @@ def estimate_time(profile: ModelProfile, state: StateBytes, *, policy: str, flop
         layers = leaf.layer_count if leaf.in_layers else 1
         full = leaf.gathered_bytes * layers  # this device's compute share, float32
         if leaf.gather_axes:
-            add("fsdp", "all_gather", leaf.gather_axes, full, 2 * per_microbatch)
+            on_wire = compute_bytes / leaf.itemsize if weight_gather.casts_before_gather else 1.0
+            add("fsdp", "all_gather", leaf.gather_axes, full * min(on_wire, 1.0), 2 * per_microbatch)
         replicated = tuple(a for a in TOKEN_AXES if a not in leaf.compute_axes)
         if "experts" in leaf.names and "tensor" not in leaf.compute_axes:
             replicated += ("tensor",)  # expert data parallel: each tensor rank routed its share of the tokens
