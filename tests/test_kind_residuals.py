@@ -119,3 +119,30 @@ def test_a_kinds_stage_keeps_what_run_by_run_keeps_under_remat_none(hybrid):
         kept[loop] = residual_bytes(stage_losses(program, loop == "kinds", valid, repeat, side)[0], params, xs)
     assert kept["switched"] >= 1.5 * kept["runs"], kept  # the plain switch: every kind per slot
     assert kept["kinds"] <= 1.02 * kept["runs"], kept
+
+
+@pytest.mark.extended  # two trainings of tiny Nemotron-H, one pipelined over 16 devices: minutes on two cores
+def test_a_pipelined_kinds_stage_trains_as_one_device(monkeypatch):
+    """Through the pipeline (run_pipeline(all_stages=True)) with shard_map layers under the stage
+    vmap (experts over `expert`, attention and Mamba over `context`): three steps equal one
+    device's. `stage_loop` does not choose the kinds loop yet, so it is forced here."""
+    import functools
+
+    import jaxtrain.pipeline.gradients as gradients
+    from jaxtrain.pipeline.config import PipelineConfig
+    from meshes.mesh import MeshConfig
+    from pipeline_helpers import initial_params, run_steps
+    from test_pipeline_nemotron_h import NEMOTRON8, TRAIN
+
+    params0 = initial_params(NEMOTRON8)
+    ref_losses, ref_params, _, _, _ = run_steps(MeshConfig(data=1), NEMOTRON8, TRAIN, params0,
+                                                devices=jax.devices()[:1])
+    made = []
+    monkeypatch.setattr(gradients, "StageProgram",
+                        lambda *a, **k: made.append(StageProgram(*a, **k, loop="kinds")) or made[-1])
+    losses, params, _, _, _ = run_steps(MeshConfig(pipeline=2, data=2, expert=2, context=2), NEMOTRON8, TRAIN, params0,
+                                        pipeline=PipelineConfig(), rules="fsdp")
+    assert made and all(p.all_stages for p in made)  # the stages alternate: the kinds loop ran
+    assert np.isfinite(losses).all()
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(params, ref_params, rtol=1e-4, atol=1e-4)
