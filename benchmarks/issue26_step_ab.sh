@@ -51,14 +51,14 @@ done
 "$PY" - "$OUT" <<'PY'
 import json, os, sys
 out = sys.argv[1]
-print(f"{'round':>5} {'code':<5} {'layout':<58} {'tok/s':>7} {'wall s/step':>11} {'CPU s/step':>10} {'loss':>9} {'load':>5}")
+print(f"{'round':>5} {'code':<5} {'layout':<58} {'tok/s':>7} {'wall s/step':>11} {'CPU s/step':>10} {'loss':>9} {'load after':>10}")
 for line in open(os.path.join(out, "runs.txt")):
     rnd, name, layout, load, tag = line.strip().split("|")
     try:
         bench = json.loads(open(os.path.join(out, f"{tag}.bench.json")).read().splitlines()[-1])
         cpu = json.loads(open(os.path.join(out, f"{tag}.cpu.json")).read())
         print(f"{rnd:>5} {name:<5} {layout:<58} {bench['tokens_per_sec']:7.0f} {bench['step_time_s']:11.2f} "
-              f"{cpu['cpu_step_s']:10.2f} {cpu['loss']:9.5f} {load:>5}")
+              f"{cpu['cpu_step_s']:10.2f} {cpu['loss']:9.5f} {load:>10}")
     except Exception as e:  # a failed run: say so, keep the table
         print(f"{rnd:>5} {name:<5} {layout:<58} failed ({type(e).__name__}: see {out}/{tag}.log)")
 PY
