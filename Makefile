@@ -28,7 +28,7 @@ test: $(VENV)/.stamp
 
 # Process-level runs (hangs in each phase of a run, signals during start-up, resumes under a changed
 # optimizer, the GPU check's dry run, the profiler, the notebook; tests/conftest.py EXTENDED):
-# ~3 min on two cores, run by CI after the suite.
+# 42 tests; 17 min on two cores beside the reference and full-size lanes (2026-12-03), run by CI after the suite.
 test-extended: $(VENV)/.stamp
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope -m "extended" $(ARGS)
 
