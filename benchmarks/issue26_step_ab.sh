@@ -18,19 +18,7 @@ mkdir -p "$OUT"
 made_base=0
 if [ ! -d "$BASE" ]; then git -C "$HEAD_DIR" worktree add "$BASE" d43f5dd >/dev/null && made_base=1; fi
 
-FLAGS=(--gin_file=configs/deepseek_v2_tiny.gin --steps "$STEPS"
-  --gin_param=DeepSeekConfig.vocab_size=1024 --gin_param=DeepSeekConfig.embed=256 --gin_param=DeepSeekConfig.layers=4
-  --gin_param=DeepSeekConfig.first_k_dense=1 --gin_param=DeepSeekConfig.heads=16 --gin_param=DeepSeekConfig.q_lora_rank=None
-  --gin_param=DeepSeekConfig.kv_lora_rank=512 --gin_param=DeepSeekConfig.qk_nope_head_dim=128
-  --gin_param=DeepSeekConfig.qk_rope_head_dim=64 --gin_param=DeepSeekConfig.v_head_dim=128 --gin_param=DeepSeekConfig.mlp=1024
-  --gin_param=DeepSeekConfig.expert_mlp=256 --gin_param=DeepSeekConfig.shared_experts=2
-  '--gin_param=DeepSeekConfig.dtype="bfloat16"' '--gin_param=DeepSeekConfig.remat="full"'
-  '--gin_param=DeepSeekConfig.rope_scaling=@YarnScaling()' --gin_param=YarnScaling.factor=40.0
-  --gin_param=YarnScaling.original_max_position=4096
-  --gin_param=RouterConfig.num_experts=8 --gin_param=RouterConfig.top_k=2 --gin_param=RouterConfig.aux_loss_weight=0.0
-  --gin_param=TrainConfig.global_batch=16 --gin_param=TrainConfig.seq_len=256)
-FSDP=data=16,rules=fsdp
-AXES4=data=2,tensor=2,context=2,expert=2,rules=fsdp+expert_tp
+source "$(dirname "$0")/issue26_shape.sh"  # FLAGS, FSDP, AXES4
 # name | checkout | layout
 KV=${KV:-"ring allgather latent"}  # this checkout's 4-axis context exchanges (ring: the default)
 RUNS=("base|$BASE|$FSDP" "head|$HEAD_DIR|$FSDP" "base|$BASE|$AXES4")
