@@ -48,11 +48,11 @@ def scan_kinds(take: Take, apply: Apply, x, stacks: Sequence, ctx, reads, kind_i
     counts = [int(np.sum(kind_ids == k)) for k in range(kinds)]
     policy = REMAT_POLICIES[check_remat(remat)]
     layer_fn = [_layer_fn(apply, k, policy) for k in range(kinds)]
-    plan = _ResidualPlan(take, layer_fn, kinds)
+    plan = _ResidualPlan(take, layer_fn)
 
     @jax.custom_vjp
-    def loop(x, stacks, ctx, reads):
-        return _forward(plan, x, stacks, ctx, reads, kind_ids, occurrence, counts)[0]
+    def loop(x, stacks, ctx, reads):  # not differentiated (evaluation): nothing to keep
+        return _apply_only(plan, x, stacks, ctx, reads, kind_ids, occurrence, counts)
 
     def loop_fwd(x, stacks, ctx, reads):
         out, buffers = _forward(plan, x, stacks, ctx, reads, kind_ids, occurrence, counts)
@@ -104,9 +104,10 @@ class _ResidualPlan:
     """Each kind's vjp residuals: their shapes (one traced vjp per kind), which of them are the
     layer's own weights (sliced again, not stored), and how to rebuild the vjp from a row."""
 
-    def __init__(self, take, layer_fn, kinds):
+    def __init__(self, take, layer_fn):
         self.take, self.layer_fn = take, layer_fn
         self.treedefs, self.sources, self.shapes = {}, {}, {}
+
     def _trace(self, k, x, stack, ctx, reads):
         """Kind k's (y, aux) shapes, recording its residual layout from a trace typed like the
         loop's step (traced read and step index), so that the layout matches the loop's."""
@@ -135,12 +136,42 @@ class _ResidualPlan:
         return jax.tree_util.tree_unflatten(self.treedefs[k], leaves)
 
 
+def _zero_aux(aux_shapes, counts):
+    return tuple(jax.tree.map(lambda s, n=n: jnp.zeros((n,) + s.shape, s.dtype), shapes)
+                 for shapes, n in zip(aux_shapes, counts))
+
+
+def _apply_only(plan: _ResidualPlan, x, stacks, ctx, reads, kind_ids, occurrence, counts):
+    """The loop's value without its residuals: (x, [aux of kind k stacked over its steps])."""
+    kinds = len(stacks)
+
+    def step(carry, inputs):
+        x, aux = carry
+        kind, occ, read, s = inputs
+
+        def branch(k):
+            def run(x, aux):
+                y, a = plan.layer_fn[k](x, plan.take(k, stacks[k], read, ctx), ctx, s)
+                new_aux = list(aux)
+                new_aux[k] = jax.tree.map(lambda t, v: jax.lax.dynamic_update_index_in_dim(t, v, occ, 0), aux[k], a)
+                return y, tuple(new_aux)
+            return run
+
+        return jax.lax.switch(kind, [branch(k) for k in range(kinds)], x, aux), None
+
+    index = jax.ShapeDtypeStruct((), jnp.int32)
+    aux_shapes = [jax.eval_shape(lambda x, st, c, r, t, k=k: plan.layer_fn[k](x, plan.take(k, st, r, c), c, t)[1],
+                                 x, stacks[k], ctx, index, index) for k in range(kinds)]
+    steps = (kind_ids, occurrence, reads, np.arange(len(kind_ids), dtype=np.int32))
+    (x, aux), _ = jax.lax.scan(step, (x, _zero_aux(aux_shapes, counts)), steps)
+    return x, list(aux)
+
+
 def _forward(plan: _ResidualPlan, x, stacks, ctx, reads, kind_ids, occurrence, counts):
     kinds = len(stacks)
     aux_shapes = [plan._trace(k, x, stacks[k], ctx, reads) for k in range(kinds)]
     buffers = [tuple(jnp.zeros((counts[k],) + s.shape, s.dtype) for s in plan.shapes[k]) for k in range(kinds)]
-    aux_zero = [jax.tree.map(lambda s, n=counts[k]: jnp.zeros((n,) + s.shape, s.dtype), aux_shapes[k])
-                for k in range(kinds)]
+    aux_zero = _zero_aux(aux_shapes, counts)
 
     def step(carry, inputs):
         x, aux, buffers = carry
