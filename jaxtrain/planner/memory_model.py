@@ -78,6 +78,10 @@ class Platform:
     # uint32 ids are JAX's, not the platform's.
     slot_backward_copies: float = 0.0
 
+    def held_itemsize(self, itemsize: int) -> int:
+        """Bytes per element an activation of `itemsize` bytes takes where this compiler holds it."""
+        return 2 * itemsize if self.widen_half and itemsize == 2 else itemsize
+
 
 GPU = Platform("gpu", widen_half=False)
 # XLA:CPU's exchange constants were measured on DeepSeek-style MoE (embed 2048, expert width
@@ -214,10 +218,9 @@ def _received_row_bytes(kind, leaves, sizes, shape, profile, platform, copies: t
     # The hidden copies are a gated expert's (gate, up, down: three hidden-wide values per
     # row); an ungated one (up, down) holds two thirds of them.
     matrices = sum("expert_mlp" in leaf.names for leaf in expert_leaves) or GATED_EXPERT_MATRICES
-    widen = 2 if platform.widen_half and profile.compute_itemsize == 2 else 1
     per_row = (copies[0] * profile.embed + copies[1] * matrices / GATED_EXPERT_MATRICES * hidden / etp
-               ) * profile.compute_itemsize
-    return rows * (ep - 1) / ep * per_row * widen
+               ) * platform.held_itemsize(profile.compute_itemsize)
+    return rows * (ep - 1) / ep * per_row
 
 
 def _expert_hidden(expert_leaves, embed: int) -> int:
@@ -268,7 +271,7 @@ def estimate_memory(profile: ModelProfile, state: StateBytes, *, policy: str, si
     kept_exchange = {k.kind: exchange_saved(k, kind_leaves[k.kind], sizes, working, profile, platform, policy)
                      for k in profile.kinds}
     # MLA under a per-head context exchange keeps per-head keys/values, not the traced latent's
-    kv_itemsize = profile.compute_itemsize * (2 if platform.widen_half and profile.compute_itemsize == 2 else 1)
+    kv_itemsize = platform.held_itemsize(profile.compute_itemsize)
     kv_tokens = working.rows * working.length
     for k in profile.kinds:
         kept_exchange[k.kind] += per_head_kv_saved(kind_leaves[k.kind], kv_exchange, sizes["context"], kv_tokens,
