@@ -6,9 +6,11 @@ number of groups — with 64 local experts, 64x the work of the dispatch itself.
 the same tile schedule as the Pallas kernel (`tile_schedule.py`: one work item per
 (group, row tile) the group touches, at most cdiv(m, block_m) + g of them) in a `lax.scan`:
 each item multiplies one [block_m, k] tile by its group's [k, n] matrix and adds the rows of
-that group into the output. Work is m·k·n plus at most one extra tile per group, memory one
-tile. The backward pass is two more such loops (dlhs with rhs transposed; drhs accumulating
-tileᵀ · dout per group), so nothing is saved per item.
+that group into the output. Items without rows of a group (the zero tail past the groups, unused
+items) skip their product (`lax.cond`): a dropless dispatch's receive buffer, sized for the worst
+case (every slot to one device), costs its filled rows, not its size. Work is the filled rows·k·n
+plus at most one extra tile per group, memory one tile. The backward pass is two more such loops
+(dlhs with rhs transposed; drhs accumulating tileᵀ · dout per group), so nothing is saved per item.
 """
 from __future__ import annotations
 
@@ -35,41 +37,68 @@ def _pad_rows(x, block_m: int):
     return jnp.pad(x, ((0, padded - x.shape[0]), (0, 0)))
 
 
-def _forward(lhs, rhs, group_sizes, block_m: int, transpose_rhs: bool = False):
+def _has_work(group, lo, hi, num_groups: int):
+    """An item multiplies rows only if it belongs to a real group and holds rows: the zero tail
+    (the rows past the groups: a dropless dispatch's padding) and unused items skip their tile."""
+    return (group < num_groups) & (hi > lo)
+
+
+def _forward_counted(lhs, rhs, group_sizes, block_m: int, transpose_rhs: bool = False):
+    """(out, tile products run): only items with work multiply (`lax.cond` in the scan), so a
+    buffer sized for the worst case costs its filled rows, not its size."""
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     m, num_groups = lhs.shape[0], rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     x = _pad_rows(lhs, block_m)
 
-    def item(out, work):
+    def multiply(carry, work):
+        out, run = carry
         group, row0, lo, hi = work
         tile = jax.lax.dynamic_slice_in_dim(x, row0, block_m)
         w = rhs[jnp.minimum(group, num_groups - 1)]
         y = jnp.dot(tile, w.T if transpose_rhs else w, preferred_element_type=jnp.float32)
         y = jnp.where(_row_mask(row0, lo, hi, group, num_groups, block_m), y, 0.0)
         old = jax.lax.dynamic_slice_in_dim(out, row0, block_m)
-        return jax.lax.dynamic_update_slice_in_dim(out, old + y, row0, 0), None
+        return jax.lax.dynamic_update_slice_in_dim(out, old + y, row0, 0), run + 1
+
+    def item(carry, work):
+        group, _, lo, hi = work
+        return jax.lax.cond(_has_work(group, lo, hi, num_groups), multiply, lambda c, _: c, carry, work), None
 
     out = jnp.zeros((x.shape[0], n), jnp.float32)
-    out, _ = jax.lax.scan(item, out, _items(group_sizes, m, block_m))
-    return out[:m].astype(jnp.result_type(lhs.dtype, rhs.dtype))
+    (out, run), _ = jax.lax.scan(item, (out, jnp.zeros((), jnp.int32)), _items(group_sizes, m, block_m))
+    return out[:m].astype(jnp.result_type(lhs.dtype, rhs.dtype)), run
 
 
-def _rhs_grad(lhs, dout, group_sizes, num_groups: int, block_m: int, dtype):
+def _forward(lhs, rhs, group_sizes, block_m: int, transpose_rhs: bool = False):
+    return _forward_counted(lhs, rhs, group_sizes, block_m, transpose_rhs)[0]
+
+
+def _rhs_grad_counted(lhs, dout, group_sizes, num_groups: int, block_m: int, dtype):
+    """(d rhs, tile products run)."""
     m = lhs.shape[0]
     x, d = _pad_rows(lhs, block_m), _pad_rows(dout, block_m)
 
-    def item(grad, work):
+    def accumulate(carry, work):
+        grad, run = carry
         group, row0, lo, hi = work
         mask = _row_mask(row0, lo, hi, group, num_groups, block_m)
         tile = jnp.where(mask, jax.lax.dynamic_slice_in_dim(x, row0, block_m), 0)
         dtile = jax.lax.dynamic_slice_in_dim(d, row0, block_m)
         g = jnp.minimum(group, num_groups - 1)
-        return grad.at[g].add(jnp.dot(tile.T, dtile, preferred_element_type=jnp.float32)), None
+        return grad.at[g].add(jnp.dot(tile.T, dtile, preferred_element_type=jnp.float32)), run + 1
+
+    def item(carry, work):
+        group, _, lo, hi = work
+        return jax.lax.cond(_has_work(group, lo, hi, num_groups), accumulate, lambda c, _: c, carry, work), None
 
     grad = jnp.zeros((num_groups, lhs.shape[1], dout.shape[1]), jnp.float32)
-    grad, _ = jax.lax.scan(item, grad, _items(group_sizes, m, block_m))
-    return grad.astype(dtype)
+    (grad, run), _ = jax.lax.scan(item, (grad, jnp.zeros((), jnp.int32)), _items(group_sizes, m, block_m))
+    return grad.astype(dtype), run
+
+
+def _rhs_grad(lhs, dout, group_sizes, num_groups: int, block_m: int, dtype):
+    return _rhs_grad_counted(lhs, dout, group_sizes, num_groups, block_m, dtype)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

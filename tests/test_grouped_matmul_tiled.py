@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels.grouped_matmul_tiled as tiled
 from pallas_kernels.grouped_matmul_tiled import grouped_matmul_tiled
 
 pytestmark = [pytest.mark.fast]
@@ -80,14 +81,28 @@ def matmul_work(jaxpr, repeats: int = 1) -> int:
     return work
 
 
+def _has_dot(jaxpr) -> bool:
+    """A dot_general in this jaxpr or any jaxpr inside it (a scan body's `cond` branches)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            return True
+        for value in eqn.params.values():
+            for v in (value if isinstance(value, (tuple, list)) else (value,)):
+                sub = getattr(v, "jaxpr", v)
+                if hasattr(sub, "eqns") and _has_dot(sub):
+                    return True
+    return False
+
+
 def tile_loop_lengths(jaxpr) -> list[int]:
-    """Trip counts of the scans (at any depth) whose body multiplies matrices: the tile loops."""
+    """Trip counts of the scans (at any depth) whose body multiplies matrices (at any depth inside
+    it): the tile loops."""
     lengths = []
     for eqn in jaxpr.eqns:
         subs = [getattr(v, "jaxpr", v) for value in eqn.params.values()
                 for v in (value if isinstance(value, (tuple, list)) else (value,))
                 if hasattr(v, "eqns") or hasattr(getattr(v, "jaxpr", None), "eqns")]
-        if eqn.primitive.name == "scan" and any(e.primitive.name == "dot_general" for s in subs for e in s.eqns):
+        if eqn.primitive.name == "scan" and any(_has_dot(s) for s in subs):
             lengths.append(eqn.params["length"])
         for sub in subs:
             lengths += tile_loop_lengths(sub)
@@ -110,6 +125,35 @@ def test_work_is_one_tile_per_schedule_item_not_rows_times_groups(m, groups):
     assert matmul_work(jaxpr.jaxpr) == 3 * items * one_tile
     rows_work = 3 * 2 * m * k * n  # the ideal: every row through one matrix, three times
     assert matmul_work(jaxpr.jaxpr) <= rows_work + 3 * (groups + 1) * one_tile
+
+
+@pytest.mark.parametrize("sizes", [[100, 0, 180, 76], [512, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+def test_a_padded_buffer_costs_its_filled_rows_not_its_size(sizes):
+    """A dropless dispatch's receive buffer holds the worst case (every slot sent to one device):
+    here 2048 rows of which sum(sizes) are filled. Each of the three tile loops (out, dlhs, drhs)
+    runs a tile product only for items holding a group's rows: counted as the loops run (the
+    count sits in the product's branch), it equals the items of the filled rows' schedule,
+    cdiv-per-group, never the 2048 / 64 + 4 = 36 the buffer's static schedule lists. Values and
+    gradients equal a float64 loop over the filled rows (the padding's output and gradient are 0)."""
+    m, k, n, block_m = 2048, 16, 8, 64
+    sizes = np.asarray(sizes, np.int32)
+    rng = np.random.default_rng(int(sizes.sum()) + 5)
+    lhs, rhs = rng.normal(size=(m, k)).astype(np.float32), rng.normal(size=(4, k, n)).astype(np.float32)
+    cot = rng.normal(size=(m, n)).astype(np.float32)
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    touched = lambda lo, hi: 0 if hi <= lo else (hi - 1) // block_m - lo // block_m + 1
+    expected = sum(touched(bounds[g], bounds[g + 1]) for g in range(4))  # items holding a group's rows
+
+    out, run_out = tiled._forward_counted(lhs, rhs, jnp.asarray(sizes), block_m)
+    _, run_dlhs = tiled._forward_counted(cot, rhs, jnp.asarray(sizes), block_m, transpose_rhs=True)
+    drhs, run_drhs = tiled._rhs_grad_counted(lhs, cot, jnp.asarray(sizes), 4, block_m, jnp.float32)
+    assert (int(run_out), int(run_dlhs), int(run_drhs)) == (expected,) * 3, (run_out, run_dlhs, run_drhs, expected)
+    assert expected <= -(-int(sizes.sum()) // block_m) + 4 < 36
+    assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(drhs)).all()
+    np.testing.assert_allclose(np.asarray(out), reference(lhs, rhs, sizes), rtol=1e-5, atol=1e-5)
+    want_drhs = np.stack([lhs[bounds[g]:bounds[g + 1]].astype(np.float64).T @ cot[bounds[g]:bounds[g + 1]]
+                          for g in range(4)])
+    np.testing.assert_allclose(np.asarray(drhs), want_drhs, rtol=1e-4, atol=1e-4)
 
 
 def test_the_cpu_dispatch_takes_the_tiles_past_its_threshold(monkeypatch):
