@@ -148,3 +148,38 @@ def test_correction_bias_balances_a_skewed_router():
     assert imbalance[0] > 2.5, imbalance[0]
     assert np.mean(imbalance[-20:]) < 1.6, imbalance[-20:]
     assert np.mean(imbalance[-20:]) < imbalance[0] / 2, (imbalance[0], imbalance[-20:])
+
+
+def test_tiled_dispatch_over_tensor_and_expert_equals_one_device_values_and_gradients(monkeypatch):
+    """The CPU tile loop (forced here at any size) on the 4-axis layout of issue 26.5
+    (data=2,tensor=2,context=2,expert=2, fsdp+expert_tp): each expert device receives a padded
+    buffer of EP x its slots, about half filled, and the hidden dim is split over `tensor`. Output
+    and the gradients of x, logits and every expert weight equal one device's (same tile loop)."""
+    import importlib
+    gm = importlib.import_module("pallas_kernels.grouped_matmul")
+    monkeypatch.setattr(gm, "TILED_MIN_DENSE_WORK", 0)
+    d, h = 20, 24  # shapes no other test traces: grouped_matmul's jit cache must not hold a ragged_dot
+    rng = np.random.default_rng(26)
+    cfg = RouterConfig(num_experts=E, top_k=2)
+    module = GatedExperts(E, d, h, rngs=nnx.Rngs(params=jax.random.key(9)), init_std=0.3)
+    x = jnp.asarray(rng.normal(size=(8, 16, d)), jnp.float32)
+    logits = jnp.asarray(rng.normal(size=(8, 16, E)), jnp.float32)
+    cot = jnp.asarray(rng.normal(size=(8, 16, d)), jnp.float32)
+    route = make_route_fn(cfg, "xla")
+    ffn = lambda tokens, sizes, w: module.compute(tokens, sizes, w, "xla")
+
+    def loss(x, logits, w, mesh=None, rules=None):
+        y, _ = moe_forward(x, logits, None, w, WEIGHT_AXES, route=route, ffn=ffn, num_experts=E, hidden=h,
+                           mesh=mesh, rules=rules)
+        return jnp.sum(y * cot), y
+
+    grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
+    (g_ref, y_ref) = grad(x, logits, module.weights())
+    mesh, rules = build_mesh(MeshConfig(data=2, tensor=2, context=2, expert=2)), get_rule_set("fsdp+expert_tp")
+    with use_rules(mesh, rules):
+        f = jax.jit(lambda *a: grad(*a, mesh=mesh, rules=rules))
+        assert "ragged_dot" not in str(jax.make_jaxpr(f)(x, logits, module.weights()))
+        g, y = f(x, logits, module.weights())
+    for got, want in [(y, y_ref), *zip(jax.tree.leaves(g), jax.tree.leaves(g_ref))]:
+        assert np.isfinite(np.asarray(got)).all() and np.abs(np.asarray(want)).max() > 0
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-5)
