@@ -23,8 +23,10 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
+from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public equivalent
 
 from models.layers.layer_scan import REMAT_POLICIES, check_remat
 
@@ -71,7 +73,7 @@ def scan_kinds(take: Take, apply: Apply, x, stacks: Sequence, ctx, reads, kind_i
                 def run(dx, dstacks):
                     w = take(k, stacks[k], read, ctx)
                     rows = [jax.lax.dynamic_index_in_dim(b, occ, keepdims=False) for b in buffers[k]]
-                    vjp_fn = plan.rebuild(k, rows, w, ctx)
+                    vjp_fn = plan.rebuild(k, rows, jax.ShapeDtypeStruct(dx.shape, dx.dtype), w, ctx, s)
                     d_aux = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, occ, keepdims=False), daux[k])
                     dx_in, dw = vjp_fn((dx, d_aux))
                     _, take_vjp = jax.vjp(lambda s_: take(k, s_, read, ctx), stacks[k])
@@ -101,39 +103,76 @@ def _layer_fn(apply: Apply, k: int, policy):
 
 
 class _ResidualPlan:
-    """Each kind's vjp residuals: their shapes (one traced vjp per kind), which of them are the
-    layer's own weights (sliced again, not stored), and how to rebuild the vjp from a row."""
+    """Each kind's vjp residuals: their shapes (one traced vjp per kind), which of them depend on
+    the layer's input (stored, one row per occurrence) and which on its weights, ctx and step
+    alone (recomputed in the backward pass: the weights themselves, their sharding-constrained
+    views, masks from ctx), and how to rebuild the vjp from a row.
+
+    Telling them apart by the jaxpr's data flow, not by identity with the weight leaves: a view of
+    a weight (a `sharding_constraint` inside the layer) is a new value, and stored it was a copy of
+    kind k's weights per occurrence and pipeline tick (width-256 stage: 40 MiB of MoE experts)."""
 
     def __init__(self, take, layer_fn):
         self.take, self.layer_fn = take, layer_fn
-        self.treedefs, self.sources, self.shapes = {}, {}, {}
+        self.treedefs, self.stored, self.shapes = {}, {}, {}
+
+    def _residuals(self, k):
+        def residuals(x, w, ctx, step):  # -> ((y, aux), the vjp's residual leaves)
+            out, vjp_fn = jax.vjp(lambda x_, w_: self.layer_fn[k](x_, w_, ctx, step), x, w)
+            leaves, self.treedefs[k] = jax.tree_util.tree_flatten(vjp_fn)
+            return out, leaves
+        return residuals
 
     def _trace(self, k, x, stack, ctx, reads):
         """Kind k's (y, aux) shapes, recording its residual layout from a trace typed like the
         loop's step (traced read and step index), so that the layout matches the loop's."""
         index = jax.ShapeDtypeStruct((), jnp.int32)
-        return jax.eval_shape(lambda x, s, c, r, t: self.vjp(k, x, self.take(k, s, r, c), c, t)[0][1],
-                              x, stack, ctx, index, index)
+
+        def layout(x, stack, ctx, read, step):
+            closed, (out, leaves) = jax.make_jaxpr(self._residuals(k), return_shape=True)(
+                x, self.take(k, stack, read, ctx), ctx, step)
+            on_x = _depends_on(closed.jaxpr, len(jax.tree.leaves(x)))[len(jax.tree.leaves(out)):]
+            self.stored[k] = tuple(on_x)
+            self.shapes[k] = [v for v, keep in zip(leaves, on_x) if keep]
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out[1])
+
+        return jax.eval_shape(layout, x, stack, ctx, index, index)
 
     def vjp(self, k, x, w, ctx, step):
-        """(y, aux), and the stored residual leaves; records kind k's layout on the way."""
-        out, vjp_fn = jax.vjp(lambda x_, w_: self.layer_fn[k](x_, w_, ctx, step), x, w)
-        leaves, treedef = jax.tree_util.tree_flatten(vjp_fn)
-        by_id = {id(v): ("w", i) for i, v in enumerate(jax.tree.leaves(w))}
-        by_id.update({id(v): ("ctx", i) for i, v in enumerate(jax.tree.leaves(ctx))})
-        sources = tuple(by_id.get(id(v)) for v in leaves)
-        self.treedefs[k], self.sources[k] = treedef, sources
-        self.shapes[k] = [jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v))
-                          for v, src in zip(leaves, sources) if src is None]
-        return out, [v for v, src in zip(leaves, sources) if src is None]
+        """(y, aux), and the residual leaves that depend on x (the ones stored)."""
+        out, leaves = self._residuals(k)(x, w, ctx, step)
+        if len(leaves) != len(self.stored[k]):
+            raise AssertionError(f"kind {k}: the step's vjp keeps {len(leaves)} residuals, "
+                                 f"its traced layout {len(self.stored[k])}")
+        return out, [v for v, keep in zip(leaves, self.stored[k]) if keep]
 
-    def rebuild(self, k, rows, w, ctx):
+    def rebuild(self, k, rows, x_like, w, ctx, step):
+        """Kind k's vjp from its stored row and the residuals recomputed from (w, ctx, step)."""
         if len(rows) != len(self.shapes[k]):
             raise AssertionError(f"kind {k}: {len(rows)} stored residuals, its vjp takes {len(self.shapes[k])}")
-        rows, w_leaves, ctx_leaves = iter(rows), jax.tree.leaves(w), jax.tree.leaves(ctx)
-        leaves = [next(rows) if src is None else (w_leaves if src[0] == "w" else ctx_leaves)[src[1]]
-                  for src in self.sources[k]]
+        args = (x_like, w, ctx, step)
+        closed, (out, _) = jax.make_jaxpr(self._residuals(k), return_shape=True)(*args)
+        recompute = [not keep for keep in self.stored[k]]
+        jaxpr, used = pe.dce_jaxpr(pe.convert_constvars_jaxpr(closed.jaxpr),
+                                   [False] * len(jax.tree.leaves(out)) + recompute)
+        flat = [*closed.consts, *jax.tree.leaves(args)]
+        if any(used[len(closed.consts):len(closed.consts) + len(jax.tree.leaves(x_like))]):
+            raise AssertionError(f"kind {k}: a residual recomputed in the backward pass depends on the layer input")
+        again = iter(jax_core.jaxpr_as_fun(jax_core.ClosedJaxpr(jaxpr, ()))(*[a for a, u in zip(flat, used) if u]))
+        rows = iter(rows)
+        leaves = [next(rows) if keep else next(again) for keep in self.stored[k]]
         return jax.tree_util.tree_unflatten(self.treedefs[k], leaves)
+
+
+def _depends_on(jaxpr, first: int) -> list[bool]:
+    """Whether each output of `jaxpr` depends on its first `first` inputs (conservatively: an
+    equation with any such input makes all its outputs depend on them)."""
+    dependent = set(jaxpr.invars[:first])
+    is_var = lambda v: not isinstance(v, jax_core.Literal)
+    for eqn in jaxpr.eqns:
+        if any(is_var(v) and v in dependent for v in eqn.invars):
+            dependent.update(eqn.outvars)
+    return [is_var(v) and v in dependent for v in jaxpr.outvars]
 
 
 def _zero_aux(aux_shapes, counts):
@@ -175,6 +214,10 @@ def _forward(plan: _ResidualPlan, x, stacks, ctx, reads, kind_ids, occurrence, c
 
     def step(carry, inputs):
         x, aux, buffers = carry
+        # The step's indices are constants: tied to the carry, so that autodiff of a loop around
+        # this one (a pipeline's ticks) cannot hoist what derives from them and the weights alone
+        # out of its body as per-slot stacks held for the whole step.
+        x, inputs = jax.lax.optimization_barrier((x, inputs))
         kind, occ, read, s = inputs
 
         def branch(k):
