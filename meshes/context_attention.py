@@ -52,6 +52,20 @@ def sequence_order(length: int):
     return device_order(active_context_parallel().layout, length, context)
 
 
+def layout_block(block, layout, length: int, context: int):
+    """The kernel's block along a rank's tokens: the caller's, or else one chunk of the layout
+    when a rank holds several (LoadBalanced: chunks r and 2C-1-r). A block spanning both chunks
+    has the place range of both, so the kernel's causal skip (a key block placed wholly after a
+    query block) never fires: every rank computed the full local square at every ring step,
+    twice the causal work. With chunk-sized blocks 3 of a rank's 8 tiles per layer are skipped
+    at context 2 (issue 26.5). Only a power-of-2 chunk of at least 16 tokens (the GPU kernels'
+    tile rules); otherwise the kernel's default."""
+    if block is not None or layout.chunks_per_rank == 1:
+        return block
+    chunk = length // (context * layout.chunks_per_rank)
+    return chunk if chunk >= 16 and chunk & (chunk - 1) == 0 else None
+
+
 def sharded_attention(q, k, v, segment_ids, *, scale: float, impl: str, block_q=None, block_k=None,
                       kv_whole: bool = False, kv_head_name: str = "kv_heads"):
     """q [b, l, h, d]; k, v [b, l or L, kv, d|dv]; segment_ids [b, l] -> [b, l, h, dv].
@@ -66,9 +80,11 @@ def sharded_attention(q, k, v, segment_ids, *, scale: float, impl: str, block_q=
     mesh, rules = active
     context = mesh.shape["context"]
     settings = active_context_parallel()
-    kernel = (float(scale), impl, block_q, block_k)
     order = device_order(settings.layout, q.shape[1], context) if context > 1 else np.arange(q.shape[1],
                                                                                              dtype=np.int32)
+    if context > 1:
+        block_q, block_k = (layout_block(b, settings.layout, q.shape[1], context) for b in (block_q, block_k))
+    kernel = (float(scale), impl, block_q, block_k)
     table = rules.activations
     kv_names = (KV_NAMES[0], None) + KV_NAMES[2:] if kv_whole else KV_NAMES
     kv_names = kv_names[:2] + (kv_head_name,) + kv_names[3:]

@@ -6,8 +6,9 @@ log-sum-exp, while the block moves one rank on (`ppermute`): the send is issued 
 block's computation so the two can overlap. Memory holds two K/V blocks, never the sequence.
 
 The backward is a second ring (custom VJP): each block travels with its running dK/dV, every
-rank adds its queries' share from the saved global (out, lse), and after C hops the block and
-its gradient are back at their owner. dQ stays local.
+rank adds its queries' share from the saved global (out, lse), and after C hops the gradient is
+back at its owner; the last hop carries dK/dV only (the keys/values have no one left to visit).
+dQ stays local.
 
 Masks come from token places (meshes/context_layout.py): the block a rank holds at step s
 belongs to rank (r - s) mod C, whose places are known without sending them.
@@ -79,18 +80,25 @@ def _ring_bwd(axis, size, kernel, res, dout):
     q_places = _places(order, rank, length)
     grads = functools.partial(attention_backward, scale=scale, impl=impl, block_q=block_q, block_k=block_k)
 
-    def step(carry, s):
-        dq, block = carry
+    def add(block, s):
+        """This rank's queries' share of the gradients of the block it holds at step s."""
         kb, vb, sb, dk, dv = block
         dq_s, dk_s, dv_s = grads(q, kb, vb, segment, sb, q_places, _places(order, jnp.mod(rank - s, size), length),
                                  out, lse, dout)
-        block = (kb, vb, sb, dk + dk_s.astype(_F32), dv + dv_s.astype(_F32))
-        return (dq + dq_s.astype(_F32), _hop(block, axis, size)), None
+        return dq_s.astype(_F32), dk + dk_s.astype(_F32), dv + dv_s.astype(_F32)
+
+    def step(carry, s):
+        dq, block = carry
+        dq_s, dk, dv = add(block, s)
+        return (dq + dq_s, _hop(block[:3] + (dk, dv), axis, size)), None
 
     zeros = lambda a: jnp.zeros(a.shape, _F32)
     start = (zeros(q), (k, v, segment, zeros(k), zeros(v)))
-    (dq, (_, _, _, dk, dv)), _ = jax.lax.scan(step, start, jnp.arange(size))  # C hops: home again
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    (dq, last), _ = jax.lax.scan(step, start, jnp.arange(size - 1))
+    # The last block's keys/values have reached every rank: only its gradient travels on, home.
+    dq_s, dk, dv = add(last, size - 1)
+    dk, dv = _hop((dk, dv), axis, size)
+    return (dq + dq_s).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 ring_attention.defvjp(_ring_fwd, _ring_bwd)

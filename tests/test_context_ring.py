@@ -147,3 +147,81 @@ def test_allgather_moves_kv_by_all_gather_only():
     sent = collectives(context_parallel("allgather", "balanced")[2])
     assert (WHOLE_KV, "") in sent["all-gather"], sent
     assert sent["collective-permute"] == [], sent
+
+
+# ---- issue 26.5's cuts: chunk-sized blocks under the zigzag layout, the backward's last hop -------
+
+@functools.lru_cache(maxsize=None)
+def ring_with_default_blocks():
+    """context_parallel("ring", "balanced") with no block given: the layout chooses (one chunk)."""
+    x = inputs(0)
+    mesh = build_mesh(MeshConfig(data=1, context=CONTEXT), jax.devices()[:CONTEXT])
+    order = device_order(LoadBalanced(), LENGTH, CONTEXT)
+    split = lambda a: jax.device_put(a[:, order], NamedSharding(mesh, PartitionSpec(None, "context")))
+    with use_rules(mesh, get_rule_set("dp")), use_context_parallel(ContextParallel(layout=LoadBalanced())):
+        attend = lambda q, k, v, seg: sharded_attention(q, k, v, seg, scale=SCALE, impl="xla")
+        args = [split(x[n]) for n in ("q", "k", "v", "seg")]
+        lowered = jax.jit(_value_and_grads(attend, split(x["weights"])), compiler_options=QUICK).lower(*args)
+        (_, out), grads = lowered.compile()(*args)
+    back = np.argsort(order)
+    return np.asarray(out)[:, back], tuple(np.asarray(g)[:, back] for g in grads), lowered.as_text()
+
+
+CHUNK = LENGTH // (2 * CONTEXT)  # zigzag: each rank holds two chunks of 16 tokens
+
+
+def test_zigzag_ring_computes_chunk_sized_tiles_and_equals_one_device():
+    """Without a block from the caller the kernel's blocks are one chunk of the layout, so a
+    block's place range is one chunk's and the causal skip can fire (a 32-token block spans
+    chunks r and 2C-1-r: no key block is ever wholly after it). Values and gradients equal the
+    unsplit reference; every score tile [b, kv, group, bq, bk] of the program is [CHUNK, CHUNK]."""
+    out, grads, stablehlo = ring_with_default_blocks()
+    ref_out, ref_grads = single_device()
+    assert_close(out, ref_out, "out")
+    for name, g, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(g, want, name)
+    # the probability tiles [B, KV_HEADS, group, bq, bk] that the P.V and dS products read
+    products = "\n".join(line for line in stablehlo.splitlines() if "dot_general" in line)
+    found = re.findall(rf"tensor<{B}x{KV_HEADS}x{HEADS // KV_HEADS}x(\d+)x(\d+)xf32>", products)
+    tiles = {(int(q), int(k)) for q, k in found if int(k) not in (D, DV)}
+    assert tiles == {(CHUNK, CHUNK)}, found
+
+
+def test_zigzag_chunk_tiles_skip_what_causality_hides():
+    """The work those tiles leave, counted with the kernel's own skip rule over the places each
+    rank holds at each ring step: a rank attends chunks r and 2C-1-r to every chunk, 16 chunk
+    pairs; (r + 1) + (2C - r) = 2C + 1 of them hold a visible key. With one block per rank's
+    tokens (the kernel's default before) no tile is skipped."""
+    from meshes.context_attention import layout_block
+    from pallas_kernels.flash_attention_xla import _may_see, _tokens
+
+    order = device_order(LoadBalanced(), LENGTH, CONTEXT)
+    local = LENGTH // CONTEXT
+    seg = jnp.ones((1, local), jnp.int32)
+    chosen = layout_block(None, LoadBalanced(), LENGTH, CONTEXT) or local  # None: the kernel's, capped at local
+    places = lambda r: jnp.asarray(order[r * local:(r + 1) * local])
+    pick = lambda t, n: jax.tree.map(lambda a: a[n], t)
+    for block, want in ((chosen, 2 * CONTEXT + 1), (local, 4 * CONTEXT)):
+        for rank in range(CONTEXT):
+            qt, ran = _tokens(places(rank), seg, block, 0), 0
+            for s in range(CONTEXT):  # the block of rank (rank - s) mod C at ring step s
+                kt = _tokens(places((rank - s) % CONTEXT), seg, block, 0)
+                ran += sum(bool(_may_see(pick(qt, i), pick(kt, j)))
+                           for i in range(local // block) for j in range(local // block))
+            assert ran * (block // CHUNK) ** 2 == want, (block, rank, ran)  # in chunk pairs
+
+
+def _permuted_bytes(hlo: str) -> int:
+    from jaxtrain.observe.hlo_stats import executed_collective_stats
+    return executed_collective_stats(hlo)["collective-permute"]["bytes"]
+
+
+def test_ring_backward_last_hop_sends_gradients_only():
+    """Forward: C - 1 hops of (k, v, segment ids). Backward: C - 1 hops of the block with its
+    running dK/dV, then one hop of dK/dV alone: the keys/values have visited every rank."""
+    per_rank = LENGTH // CONTEXT
+    k, v = B * per_rank * KV_HEADS * D * 4, B * per_rank * KV_HEADS * DV * 4  # float32 here
+    seg = B * per_rank * 4
+    forward = (CONTEXT - 1) * (k + v + seg)
+    backward = (CONTEXT - 1) * (k + v + seg + k + v) + (k + v)
+    assert _permuted_bytes(context_parallel("ring", "balanced")[2]) == forward + backward
