@@ -8,8 +8,9 @@ the loop has its own VJP (`jax.custom_vjp`):
 
 - forward: one scan over the steps; at a step of kind k the switch's branch k runs `jax.vjp` of
   kind k's layer (under the remat policy) and writes the vjp's residual leaves into kind k's own
-  buffers, stacked over that kind's occurrences (step -> occurrence is static). A residual that IS
-  one of the layer's weights (a view of the stacks) is not stored: the backward slices it again.
+  buffers, stacked over that kind's occurrences (step -> occurrence is static). Only residuals
+  that depend on the layer's input are stored; those computed from its weights, ctx and step
+  alone (the weights, their sharding-constrained views, masks) are recomputed in the backward.
 - backward: one reverse scan; branch k rebuilds kind k's vjp from its buffers' row and applies it,
   adding the weight gradient into kind k's stacks.
 
