@@ -4,12 +4,12 @@ A *kind* is the path of a `LayerStack` in the parameter tree: `("stacks", "moe_b
 plain stack, `("stacks", "blocks", "moe")` for one kind of a `PatternStack`. Every layer of the
 model is (kind, index within its kind), in the order the model applies them.
 
-A stage runs its slots (meshes/pipeline_split.py) as one program, the same on every stage: one
-masked scan with a switch on each slot's kind (models/layers/layer_scan.py), which compiles one
-layer of each kind, when its kinds alternate under remat `full`; else a masked scan per run of
-one kind (`stage_loop` says why). `loop="kinds"` runs the switch with its own VJP over every
-stage at once (models/layers/kind_residuals.py): remat `none`/`dots` without every kind's
-residuals at every slot, not yet chosen by `stage_loop` (its XLA temp).
+A stage runs its slots (meshes/pipeline_split.py) as one program, the same on every stage: when
+its kinds alternate, one scan over the slots with a switch on each slot's kind and the switch's
+own VJP, over every stage at once (models/layers/kind_residuals.py: each kind's residuals at its
+own slots only), which compiles one layer of each kind; else a masked scan per run of one kind
+(`stage_loop` says why). `loop="switched"` (a plain switch, models/layers/layer_scan.py) and
+`loop="runs"` remain to compare.
 """
 from __future__ import annotations
 
@@ -222,22 +222,24 @@ def alternates(kinds_in_order) -> bool:
     return len(pattern_runs(kinds_in_order)) > len(set(kinds_in_order))
 
 
+# Remat policies under which a stage with alternating kinds runs the kinds loop (measured below);
+# `offload_dots` keeps its residuals in host memory, which a device buffer row cannot hold.
+KINDS_LOOP_REMATS = ("none", "dots", "full")
+
+
 def stage_loop(pattern, layer_remat: str) -> str:
-    """How a stage runs its slots: "switched" (one scan over the slots with a switch on the kind,
-    which compiles one layer of each kind) when its kinds alternate under remat `full`, where each
-    slot keeps only its input whatever the kind; else "runs": a scan per run of one kind, the
-    weights the scan's input (kinds in one run each gain nothing from a switch).
+    """How a stage runs its slots: "kinds" (one scan over the slots with a switch on the kind and
+    the switch's own VJP, each kind's residuals kept at its own slots only: models/layers/
+    kind_residuals.py) when its kinds alternate, under remat `none`, `dots` or `full`; else
+    "runs": a scan per run of one kind, the weights the scan's input (kinds in one run each gain
+    nothing from a switch).
 
     Run by run, alternating kinds compile about one scan per layer (the Nemotron-shaped reference
-    layout: 430 s against 28-45 s switched). A plain differentiated `lax.switch` keeps every
-    branch's residuals at every slot (zeros for the kinds that did not run): under `none` or `dots`
-    XLA temp 0.134 (runs) -> 0.275 GiB on a width-256 Mamba/MoE/attention stage
-    (benchmarks/stage_loop_memory.py). The "kinds" loop (the switch's own VJP keeps each kind's
-    residuals at its own slots, models/layers/kind_residuals.py) keeps run by run's residual bytes
-    in the trace, but XLA's temp there is still 0.226 (none) and 0.153 GiB (dots, runs 0.1075):
-    not chosen until it holds what run by run holds. Under `full` the plain switch holds what run
-    by run holds: 0.065 (runs) vs 0.072 GiB there."""
-    return "switched" if alternates(pattern) and layer_remat == "full" else "runs"
+    layout, remat none: 92.1 s run by run against 15.5 s kinds). XLA temp per device of a width-256
+    Mamba/MoE/attention stage (benchmarks/stage_loop_memory.py, pipeline=2, data=8), runs / kinds /
+    plain switch: none 0.134 / 0.146 / 0.275 GiB, dots 0.1075 / 0.108 / 0.261, full 0.066 / 0.057 /
+    0.072 (a plain differentiated `lax.switch` keeps every branch's residuals at every slot)."""
+    return "kinds" if alternates(pattern) and layer_remat in KINDS_LOOP_REMATS else "runs"
 
 
 def _layer_names(stack: LayerStack) -> dict:
