@@ -33,6 +33,8 @@ from meshes.ring_attention import ring_attention
 from meshes.rules import _ACTIVE, spec_for
 from pallas_kernels.flash_attention import flash_attention
 
+_DEFAULT_BLOCK = 512  # the blockwise kernel's default block (pallas_kernels/flash_attention_xla.py)
+
 Q_NAMES = ("batch", "length", "heads", None)
 KV_NAMES = ("batch", "length", "kv_heads", None)
 ROW_NAMES = ("batch", "length")
@@ -58,12 +60,13 @@ def layout_block(block, layout, length: int, context: int):
     has the place range of both, so the kernel's causal skip (a key block placed wholly after a
     query block) never fires: every rank computed the full local square at every ring step,
     twice the causal work. With chunk-sized blocks 3 of a rank's 8 tiles per layer are skipped
-    at context 2 (issue 26.5). Only a power-of-2 chunk of at least 16 tokens (the GPU kernels'
-    tile rules); otherwise the kernel's default."""
+    at context 2 (issue 26.5). Only a power-of-2 chunk of 16 to 256 tokens (the GPU kernels'
+    tile rules); a longer power-of-2 chunk already holds whole default blocks (512, or fewer
+    tokens), and a bigger block would grow the kernel's score tile with the length."""
     if block is not None or layout.chunks_per_rank == 1:
         return block
     chunk = length // (context * layout.chunks_per_rank)
-    return chunk if chunk >= 16 and chunk & (chunk - 1) == 0 else None
+    return chunk if 16 <= chunk < _DEFAULT_BLOCK and chunk & (chunk - 1) == 0 else None
 
 
 def sharded_attention(q, k, v, segment_ids, *, scale: float, impl: str, block_q=None, block_k=None,

@@ -199,6 +199,9 @@ def test_zigzag_chunk_tiles_skip_what_causality_hides():
     local = LENGTH // CONTEXT
     seg = jnp.ones((1, local), jnp.int32)
     chosen = layout_block(None, LoadBalanced(), LENGTH, CONTEXT) or local  # None: the kernel's, capped at local
+    # a long chunk keeps the kernel's default block (chunk-sized tiles would grow with the length)
+    assert layout_block(None, LoadBalanced(), 65536, CONTEXT) is None
+    assert layout_block(8, LoadBalanced(), LENGTH, CONTEXT) == 8  # the caller's block stands
     places = lambda r: jnp.asarray(order[r * local:(r + 1) * local])
     pick = lambda t, n: jax.tree.map(lambda a: a[n], t)
     for block, want in ((chosen, 2 * CONTEXT + 1), (local, 4 * CONTEXT)):
