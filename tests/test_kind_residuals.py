@@ -64,6 +64,16 @@ def test_the_kinds_loop_keeps_each_kinds_residuals_at_its_own_steps_only(toy, re
     assert all(kept[shape] == n for shape, n in stack_shapes.items()), (kept, stack_shapes)
 
 
+def test_stage_loop_chooses_the_kinds_loop_for_alternating_kinds():
+    """What training runs: alternating kinds take the kinds loop under none, dots and full; a stage
+    of one run per kind, and remat offload_dots (residuals in host memory), run by run."""
+    from models.stage_program import stage_loop
+    alternating, grouped = ("mamba", "moe", "mamba", "attention"), ("mamba", "mamba", "moe")
+    assert [stage_loop(alternating, r) for r in ("none", "dots", "full")] == ["kinds"] * 3
+    assert stage_loop(alternating, "offload_dots") == "runs"
+    assert [stage_loop(grouped, r) for r in ("none", "dots", "full")] == ["runs"] * 3
+
+
 def every_stage_inputs(model, plan):
     ins = [stage_inputs(model, plan, s) for s in range(plan.stages)]
     stack = lambda *a: jnp.stack(a)
@@ -125,7 +135,7 @@ def test_a_kinds_stage_keeps_what_run_by_run_keeps_under_remat_none(hybrid):
 def test_a_pipelined_kinds_stage_trains_as_one_device(monkeypatch):
     """Through the pipeline (run_pipeline(all_stages=True)) with shard_map layers under the stage
     vmap (experts over `expert`, attention and Mamba over `context`): three steps equal one
-    device's. `stage_loop` does not choose the kinds loop yet, so it is forced here."""
+    device's. Forced here, so that the case stays on the kinds loop whatever `stage_loop` chooses."""
     import functools
 
     import jaxtrain.pipeline.gradients as gradients

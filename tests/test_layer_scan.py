@@ -251,8 +251,9 @@ def test_a_switched_stage_keeps_run_by_runs_residuals_only_under_remat_full(hybr
 
 @pytest.mark.extended  # two pipelined train steps compiled: ~1 min on two cores
 def test_a_pipelined_switched_stage_holds_about_what_run_by_run_holds(monkeypatch):
-    """XLA's temp of the pipelined train step of an alternating hybrid under remat full (what
-    `stage_loop` switches), compiled with each loop: the switched stage within 15% of run by run.
+    """XLA's temp of the pipelined train step of an alternating hybrid under remat full, compiled
+    with each loop: the plain switched stage within 15% of run by run (`stage_loop` chooses the
+    kinds loop there now: tests/test_kind_residuals.py).
     Untied, a step's slice indices were constants, and the tick loop hoisted every kind's weight
     slices for every slot, and what derives from them, out of its body (width 256: 0.099 against
     0.065 GiB; 0.072 tied)."""
