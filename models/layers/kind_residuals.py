@@ -154,12 +154,11 @@ class _ResidualPlan:
         args = (x_like, w, ctx, step)
         closed, (out, _) = jax.make_jaxpr(self._residuals(k), return_shape=True)(*args)
         recompute = [not keep for keep in self.stored[k]]
-        jaxpr, used = pe.dce_jaxpr(pe.convert_constvars_jaxpr(closed.jaxpr),
-                                   [False] * len(jax.tree.leaves(out)) + recompute)
-        flat = [*closed.consts, *jax.tree.leaves(args)]
-        if any(used[len(closed.consts):len(closed.consts) + len(jax.tree.leaves(x_like))]):
+        jaxpr, used = pe.dce_jaxpr(closed.jaxpr, [False] * len(jax.tree.leaves(out)) + recompute)
+        if any(used[:len(jax.tree.leaves(x_like))]):
             raise AssertionError(f"kind {k}: a residual recomputed in the backward pass depends on the layer input")
-        again = iter(jax_core.jaxpr_as_fun(jax_core.ClosedJaxpr(jaxpr, ()))(*[a for a, u in zip(flat, used) if u]))
+        kept_args = [a for a, u in zip(jax.tree.leaves(args), used) if u]
+        again = iter(jax_core.jaxpr_as_fun(jax_core.ClosedJaxpr(jaxpr, closed.consts))(*kept_args))
         rows = iter(rows)
         leaves = [next(rows) if keep else next(again) for keep in self.stored[k]]
         return jax.tree_util.tree_unflatten(self.treedefs[k], leaves)
