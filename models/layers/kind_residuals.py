@@ -207,10 +207,20 @@ def _apply_only(plan: _ResidualPlan, x, stacks, ctx, reads, kind_ids, occurrence
 
 
 def _forward(plan: _ResidualPlan, x, stacks, ctx, reads, kind_ids, occurrence, counts):
+    """The loop's forward: (x, aux per kind), and each kind's residual buffers ([count, ...]). The
+    switch returns one step's residuals of every kind (zeros for the kinds not run); each kind's
+    are written into its buffers after it (a kind not run writes back the row it reads), so the
+    buffers are not operands of the conditional: XLA copied every buffer passing through a branch
+    that did not write it, at every step."""
     kinds = len(stacks)
     aux_shapes = [plan._trace(k, x, stacks[k], ctx, reads) for k in range(kinds)]
     buffers = [tuple(jnp.zeros((counts[k],) + s.shape, s.dtype) for s in plan.shapes[k]) for k in range(kinds)]
     aux_zero = _zero_aux(aux_shapes, counts)
+    zeros = lambda shapes: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    # the row of kind k's buffers each step writes: its occurrence; at another kind's step the row
+    # of kind k's previous (or first) step, written back unchanged
+    rows_at = np.stack([np.maximum.accumulate(np.where(kind_ids == k, occurrence, 0)) for k in range(kinds)],
+                       axis=1).astype(np.int32)
 
     def step(carry, inputs):
         x, aux, buffers = carry
@@ -218,25 +228,29 @@ def _forward(plan: _ResidualPlan, x, stacks, ctx, reads, kind_ids, occurrence, c
         # this one (a pipeline's ticks) cannot hoist what derives from them and the weights alone
         # out of its body as per-slot stacks held for the whole step.
         x, inputs = jax.lax.optimization_barrier((x, inputs))
-        kind, occ, read, s = inputs
+        kind, read, s, at = inputs
 
         def branch(k):
-            def run(x, aux, buffers):
+            def run(x):
                 w = plan.take(k, stacks[k], read, ctx)
                 (y, a), res = plan.vjp(k, x, w, ctx, s)
                 if len(res) != len(buffers[k]):
                     raise AssertionError(f"kind {k}: the step's vjp keeps {len(res)} residuals, "
                                          f"its buffers hold {len(buffers[k])}")
-                new_buffers, new_aux = list(buffers), list(aux)
-                new_buffers[k] = tuple(jax.lax.dynamic_update_index_in_dim(b, r, occ, 0)
-                                       for b, r in zip(buffers[k], res))
-                new_aux[k] = jax.tree.map(lambda t, v: jax.lax.dynamic_update_index_in_dim(t, v, occ, 0), aux[k], a)
-                return y, tuple(new_aux), tuple(new_buffers)
+                rows = tuple(tuple(res) if j == k else zeros(tuple(plan.shapes[j])) for j in range(kinds))
+                return y, tuple(a if j == k else zeros(aux_shapes[j]) for j in range(kinds)), rows
             return run
 
-        x, aux, buffers = jax.lax.switch(kind, [branch(k) for k in range(kinds)], x, aux, buffers)
-        return (x, aux, buffers), None
+        y, step_aux, rows = jax.lax.switch(kind, [branch(k) for k in range(kinds)], x)
 
-    steps = (kind_ids, occurrence, reads, np.arange(len(kind_ids), dtype=np.int32))
+        def write(stack, row, k):
+            old = jax.lax.dynamic_index_in_dim(stack, at[k], keepdims=False)
+            return jax.lax.dynamic_update_index_in_dim(stack, jnp.where(kind == k, row, old), at[k], 0)
+
+        buffers = tuple(tuple(write(b, r, k) for b, r in zip(buffers[k], rows[k])) for k in range(kinds))
+        aux = tuple(jax.tree.map(lambda t, v, k=k: write(t, v, k), aux[k], step_aux[k]) for k in range(kinds))
+        return (y, aux, buffers), None
+
+    steps = (kind_ids, reads, np.arange(len(kind_ids), dtype=np.int32), rows_at)
     (x, aux, buffers), _ = jax.lax.scan(step, (x, tuple(aux_zero), tuple(buffers)), steps)
     return (x, list(aux)), buffers
