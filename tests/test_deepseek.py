@@ -33,9 +33,11 @@ LAYOUTS = {
 }
 
 
-# All 16 devices on experts runs in `make test-extended` (the suite's budget); expert4_data4 keeps
-# expert parallelism (all-to-all dispatch) with data beside it in the suite.
-EXTENDED_LAYOUTS = {"expert16"}
+# All 16 devices on experts and expert-tensor parallelism under plain data parallelism run in
+# `make test-extended` (the suite's budget); expert4_data4 keeps expert parallelism (all-to-all
+# dispatch) with data beside it in the suite, fsdp_expert_tensor_parallel the experts' hidden split
+# over tensor.
+EXTENDED_LAYOUTS = {"expert16", "expert_tensor_parallel"}
 
 
 @pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.extended] if name in EXTENDED_LAYOUTS else [])

@@ -48,9 +48,11 @@ LAYOUTS = {
 }
 
 
-# Pure data parallelism over 16 runs in `make test-extended` (the suite's budget): the other two
-# layouts split the same batch over data too, with heads or experts on top.
-EXTENDED_LAYOUTS = {"data16"}
+# Pure data parallelism over 16 and heads split 4 ways run in `make test-extended` (the suite's
+# budget): fsdp_expert4_data4 splits the same batch over data with experts on top; Mamba2 heads
+# over tensor stay in the suite through test_context_parallel's mamba2 context4_tensor2_data2 and
+# test_generate_mamba's data2_tensor2 hybrid.
+EXTENDED_LAYOUTS = {"data16", "tensor4_data4"}
 
 
 @pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.extended] if name in EXTENDED_LAYOUTS else [])
