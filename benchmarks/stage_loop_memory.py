@@ -45,7 +45,8 @@ def main(argv=None) -> int:
         plan = plan.with_spec(args.layout)
     for _ in range(args.rounds):
         for loop in args.loops.split(","):
-            gradients.StageProgram = functools.partial(StageProgram, loop=loop)
+            gradients.StageProgram = functools.partial(lambda *a, forced, **k: StageProgram(*a, **{**k, "loop": forced}),
+                                                   forced=loop)
             setup = build_train_setup(exp.model, plan, exp.train, exp.optimizer, loss=exp.loss)
             t = exp.train
             lowered = setup.train_step.lower(setup.state.abstract, setup.abstract_batch(t.global_batch, t.seq_len))

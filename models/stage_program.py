@@ -4,12 +4,12 @@ A *kind* is the path of a `LayerStack` in the parameter tree: `("stacks", "moe_b
 plain stack, `("stacks", "blocks", "moe")` for one kind of a `PatternStack`. Every layer of the
 model is (kind, index within its kind), in the order the model applies them.
 
-A stage runs its slots (meshes/pipeline_split.py) as one program, the same on every stage: when
-its kinds alternate, one scan over the slots with a switch on each slot's kind and the switch's
-own VJP, over every stage at once (models/layers/kind_residuals.py: each kind's residuals at its
-own slots only), which compiles one layer of each kind; else a masked scan per run of one kind
-(`stage_loop` says why). `loop="switched"` (a plain switch, models/layers/layer_scan.py) and
-`loop="runs"` remain to compare.
+A stage runs its slots (meshes/pipeline_split.py) as one program, the same on every stage: a
+masked scan per run of one kind, or, when its kinds alternate under remat `full`, one scan over
+the slots with a plain switch on each slot's kind (`stage_loop` says why). `loop="kinds"`
+(`PipelineConfig.stage_loop`): one scan with a switch and the switch's own VJP, over every stage
+at once (models/layers/kind_residuals.py: each kind's residuals at its own slots only), which
+compiles one layer of each kind: the choice for compile time.
 """
 from __future__ import annotations
 
@@ -96,6 +96,8 @@ class StageProgram:
         """pattern: the stage's slot pattern, one kind per slot (StagePlan.pattern); `remat`:
         one of STAGE_REMAT (checked with the config by PipelineConfig.validate); `loop`: auto
         (`stage_loop` chooses: what training runs), or one of LOOPS to compare them."""
+        if loop not in ("auto",) + LOOPS:
+            raise ValueError(f"StageProgram loop must be 'auto' or one of {LOOPS}, got {loop!r}")
         stacks = layer_stacks(model)
         self.kinds = tuple(dict.fromkeys(pattern))
         unknown = [k for k in self.kinds if k not in stacks]
@@ -109,8 +111,6 @@ class StageProgram:
         self.layer_remat = self._layer_remat({stacks[k].remat for k in self.kinds})
         if passes > 1 and self.layer_remat == "none":  # as the planner assumes (planner/layer_profile.pipelined_policy)
             self.layer_remat = "dots"
-        if loop not in ("auto",) + LOOPS:
-            raise ValueError(f"StageProgram loop must be 'auto' or one of {LOOPS}, got {loop!r}")
         self.loop = stage_loop(pattern, self.layer_remat) if loop == "auto" else loop
         self.by_runs = self.loop == "runs" or len(self.runs) == len(self.kinds)
         # The kinds loop runs over every stage at once (the stage vmap inside each layer): its
@@ -222,24 +222,24 @@ def alternates(kinds_in_order) -> bool:
     return len(pattern_runs(kinds_in_order)) > len(set(kinds_in_order))
 
 
-# Remat policies under which a stage with alternating kinds runs the kinds loop (measured below);
-# `offload_dots` keeps its residuals in host memory, which a device buffer row cannot hold.
-KINDS_LOOP_REMATS = ("none", "dots", "full")
-
-
 def stage_loop(pattern, layer_remat: str) -> str:
-    """How a stage runs its slots: "kinds" (one scan over the slots with a switch on the kind and
-    the switch's own VJP, each kind's residuals kept at its own slots only: models/layers/
-    kind_residuals.py) when its kinds alternate, under remat `none`, `dots` or `full`; else
-    "runs": a scan per run of one kind, the weights the scan's input (kinds in one run each gain
-    nothing from a switch).
+    """How a stage runs its slots by default (`PipelineConfig.stage_loop="auto"`): the loop that
+    steps fastest. "runs" (a scan per run of one kind, the weights the scan's input) unless the
+    kinds alternate under remat `full`, where the plain switch ("switched": one scan over the
+    slots, each slot keeping only its input whatever the kind) holds what run by run holds.
 
-    Run by run, alternating kinds compile about one scan per layer (the Nemotron-shaped reference
-    layout, remat none: 105.7 s run by run against 13.0 s kinds, temp 0.1021 -> 0.0738 GiB). XLA temp per device of a width-256
-    Mamba/MoE/attention stage (benchmarks/stage_loop_memory.py, pipeline=2, data=8), runs / kinds /
-    plain switch: none 0.134 / 0.146 / 0.275 GiB, dots 0.1075 / 0.108 / 0.261, full 0.066 / 0.057 /
-    0.072 (a plain differentiated `lax.switch` keeps every branch's residuals at every slot)."""
-    return "kinds" if alternates(pattern) and layer_remat in KINDS_LOOP_REMATS else "runs"
+    The "kinds" loop (one scan with a switch on the kind and the switch's own VJP, each kind's
+    residuals at its own slots only: models/layers/kind_residuals.py) compiles one layer per kind
+    instead of about one scan per layer, but steps slower here, so it is chosen on purpose
+    (`PipelineConfig.stage_loop = "kinds"`). The Nemotron-shaped reference layout (remat none, test
+    XLA flags, `python benchmarks/stage_loop_step.py --gin_file=configs/nemotron3_nano_reference_layout.gin`,
+    both loops in one process, steps alternating): compile 126.8 s run by run -> 21.4 s kinds,
+    step 10.6 -> 15.5 s (CPU 19.7 -> 29.0 s), same losses; XLA temp 0.1021 -> 0.0738 GiB.
+    XLA temp per device of a width-256 Mamba/MoE/attention stage (benchmarks/stage_loop_memory.py,
+    pipeline=2, data=8), runs / kinds / plain switch: none 0.134 / 0.146 / 0.275 GiB, dots 0.1075 /
+    0.108 / 0.261, full 0.066 / 0.057 / 0.072 (a plain differentiated `lax.switch` keeps every
+    branch's residuals at every slot)."""
+    return "switched" if alternates(pattern) and layer_remat == "full" else "runs"
 
 
 def _layer_names(stack: LayerStack) -> dict:

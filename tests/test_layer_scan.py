@@ -257,9 +257,6 @@ def test_a_pipelined_switched_stage_holds_about_what_run_by_run_holds(monkeypatc
     Untied, a step's slice indices were constants, and the tick loop hoisted every kind's weight
     slices for every slot, and what derives from them, out of its body (width 256: 0.099 against
     0.065 GiB; 0.072 tied)."""
-    import functools
-
-    import jaxtrain.pipeline.gradients as gradients
     from jaxtrain.pipeline.config import PipelineConfig
     from jaxtrain.training.config import TrainConfig
     from jaxtrain.training.optim import OptimizerConfig
@@ -269,10 +266,10 @@ def test_a_pipelined_switched_stage_holds_about_what_run_by_run_holds(monkeypatc
     model = dataclasses.replace(HYBRID, embed=128, heads=8, head_dim=16, mlp=256, expert_mlp=64, shared_expert_mlp=64,
                                 remat="full")
     train = TrainConfig(global_batch=32, seq_len=64)
-    plan = ParallelPlan.parse("pipeline=2,data=8,microbatches=4").with_pipeline(PipelineConfig(stages_layers=(5, 3)))
     temp = {}
     for loop in ("runs", "switched"):
-        monkeypatch.setattr(gradients, "StageProgram", functools.partial(StageProgram, loop=loop))
+        plan = ParallelPlan.parse("pipeline=2,data=8,microbatches=4").with_pipeline(
+            PipelineConfig(stages_layers=(5, 3), stage_loop=loop))
         setup = build_train_setup(model, plan, train, OptimizerConfig())
         traced = setup.train_step.trace(setup.state.abstract, setup.abstract_batch(32, 64))
         assert bool(scans_with_switch(traced.jaxpr.jaxpr, 4)) == (loop == "switched")  # the loop asked for

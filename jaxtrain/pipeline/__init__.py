@@ -31,7 +31,7 @@ def build_pipeline(model_cfg, plan, tx, mesh, rules, loss) -> tuple[StagedState,
     stages, pipeline = mesh.shape["pipeline"], plan.pipeline
     state = StagedState(model_cfg, tx, mesh, rules, pipeline.plan(model_cfg, stages))
     gradients = PipelinedGradients(state.graphdef, state.layout, pipeline.schedule, remat=pipeline.remat,
-                                   microbatches=plan.microbatches, loss_chunk=loss.loss_chunk, z_loss=loss.z_loss)
+                                   loop=pipeline.stage_loop, microbatches=plan.microbatches, loss_chunk=loss.loss_chunk, z_loss=loss.z_loss)
     stage_plan = state.layout.plan
     padding = {"/".join(k[1:]): p for k, p in stage_plan.padding().items() if any(p)}
     summary = (f"pipeline {type(pipeline.schedule).__name__}, {stages} stages x {stage_plan.repeats} passes, "

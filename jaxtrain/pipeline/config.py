@@ -5,6 +5,7 @@
     Interleaved.virtual_stages = 2
     PipelineConfig.stages_layers = (14, 13)       # or None: balanced by per-layer cost
     PipelineConfig.remat = "stage"                # none | layer | stage
+    PipelineConfig.stage_loop = "kinds"           # auto | runs | switched | kinds (models/stage_program.py)
 
 Microbatches are `TrainConfig.microbatches`: with a pipeline they flow through the stages
 instead of being accumulated one after another.
@@ -18,7 +19,7 @@ from flax import nnx
 
 from meshes.pipeline_schedules import GPipe, Interleaved
 from meshes.pipeline_split import StagePlan, chunk_counts, plan_stages
-from models.stage_program import STAGE_REMAT, layer_cost, layer_sequence, layer_stacks
+from models.stage_program import LOOPS, STAGE_REMAT, layer_cost, layer_sequence, layer_stacks
 
 gin.external_configurable(GPipe, module="meshes")
 gin.external_configurable(Interleaved, module="meshes")
@@ -34,10 +35,16 @@ class PipelineConfig:
     # parameters a token passes through): for one kind of layer, the balanced split.
     stages_layers: tuple[int, ...] | None = None
     remat: str = "none"  # none | layer | stage (models/stage_program.py)
+    # How a stage with alternating layer kinds loops over its slots: "auto" (`stage_loop`: the
+    # loop that steps fastest) or "kinds" (one scan with a switch: compiles one layer per kind,
+    # ~8x faster on the Nemotron-shaped reference layout, but steps slower on XLA:CPU).
+    stage_loop: str = "auto"
 
     def validate(self, stages: int, microbatches: int) -> None:
         if self.remat not in STAGE_REMAT:
             raise ValueError(f"PipelineConfig.remat={self.remat!r}: choose one of {STAGE_REMAT}")
+        if self.stage_loop not in ("auto",) + LOOPS:
+            raise ValueError(f"PipelineConfig.stage_loop={self.stage_loop!r}: choose one of {('auto',) + LOOPS}")
         if not hasattr(self.schedule, "ticks"):
             raise ValueError(f"PipelineConfig.schedule={self.schedule!r} is not a schedule (GPipe or Interleaved)")
         self.schedule.validate(stages, microbatches)

@@ -29,8 +29,8 @@ from models.stage_program import StageProgram
 
 class PipelinedGradients:
     def __init__(self, graphdef, layout: PipelineLayout, schedule, *, microbatches: int, loss_chunk: int,
-                 z_loss: float, remat: str = "none"):
-        self.graphdef, self.layout, self.schedule = graphdef, layout, schedule
+                 z_loss: float, remat: str = "none", loop: str = "auto"):
+        self.graphdef, self.layout, self.schedule, self.loop = graphdef, layout, schedule, loop
         self.microbatches, self.loss_chunk, self.z_loss, self.remat = microbatches, loss_chunk, z_loss, remat
         self.stages = layout.plan.stages
         self.bubble = schedule.bubble_fraction(self.stages, microbatches)
@@ -41,7 +41,7 @@ class PipelinedGradients:
         model = nnx.merge(self.graphdef, params)
         mbs = split_microbatches(to_device_order(batch), self.microbatches)
         x = constrain(jax.vmap(model.embed_inputs)(mbs["inputs"]), (None,) + RESIDUAL)
-        program = StageProgram(model, plan.pattern, plan.repeats, self.remat)
+        program = StageProgram(model, plan.pattern, plan.repeats, self.remat, loop=self.loop)
         stage_params = {kind: _subtree(params, kind + ("layers",)) for kind in plan.kinds}
         valid = {kind: jnp.asarray(plan.valid(kind)) for kind in plan.kinds}
         stage_fn = program.every_stage if program.all_stages else program
