@@ -30,9 +30,9 @@ def main(argv=None) -> int:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=16").strip()
 
     import jax
-    import numpy as np
 
     import jaxtrain.pipeline.gradients as gradients
+    from jaxtrain.planner.layout_bench import random_batch
     from jaxtrain.training.config import load_experiment, parse_gin
     from jaxtrain.training.parallel_plan import ParallelPlan
     from jaxtrain.training.train_setup import build_train_setup
@@ -51,12 +51,7 @@ def main(argv=None) -> int:
         compiled = setup.train_step.lower(setup.state.abstract, setup.abstract_batch(t.global_batch, t.seq_len)).compile()
         runs[loop] = {"setup": setup, "step": compiled, "compile_s": time.perf_counter() - start,
                       "wall": [], "cpu": [], "loss": []}
-    rng = np.random.default_rng(0)
-    host = {"inputs": rng.integers(0, exp.model.vocab_size, (t.global_batch, t.seq_len), dtype=np.int32),
-            "segment_ids": np.ones((t.global_batch, t.seq_len), np.int32),
-            "positions": np.broadcast_to(np.arange(t.seq_len, dtype=np.int32), (t.global_batch, t.seq_len)),
-            "loss_mask": np.ones((t.global_batch, t.seq_len), np.float32)}
-    host["targets"] = np.roll(host["inputs"], -1, axis=1)
+    host = random_batch(exp)
     for r in runs.values():
         r["state"], r["batch"] = r["setup"].state.init(t.seed), r["setup"].device_batch(host)
     for i in range(args.steps + 1):  # the first round warms up

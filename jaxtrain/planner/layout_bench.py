@@ -7,13 +7,26 @@ import statistics
 import time
 
 
+def random_batch(exp) -> dict:
+    """One host batch of random tokens at the experiment's batch and length (one document per row)."""
+    import numpy as np
+
+    t = exp.train
+    rng = np.random.default_rng(0)
+    host = {"inputs": rng.integers(0, exp.model.vocab_size, (t.global_batch, t.seq_len), dtype=np.int32),
+            "segment_ids": np.ones((t.global_batch, t.seq_len), np.int32),
+            "positions": np.broadcast_to(np.arange(t.seq_len, dtype=np.int32), (t.global_batch, t.seq_len)),
+            "loss_mask": np.ones((t.global_batch, t.seq_len), np.float32)}
+    host["targets"] = np.roll(host["inputs"], -1, axis=1)
+    return host
+
+
 def bench_layout(exp, plan, *, steps: int, compile_only: bool, max_replicated: float | None = None,
                  devices=None) -> dict:
     """`max_replicated`: fail the layout (ValueError) when more than this fraction of a
     device's parameter bytes are replicated copies (MaxText's assert_params_sufficiently_sharded).
     `devices`: the devices of the mesh (default: all)."""
     import jax
-    import numpy as np
 
     from meshes.sharding_audit import audit_sharding, check_sufficiently_sharded
 
@@ -48,13 +61,7 @@ def bench_layout(exp, plan, *, steps: int, compile_only: bool, max_replicated: f
     if compile_only:
         return out
     state = setup.state.init(t.seed)
-    rng = np.random.default_rng(0)
-    host = {"inputs": rng.integers(0, exp.model.vocab_size, (t.global_batch, t.seq_len), dtype=np.int32),
-            "segment_ids": np.ones((t.global_batch, t.seq_len), np.int32),
-            "positions": np.broadcast_to(np.arange(t.seq_len, dtype=np.int32), (t.global_batch, t.seq_len)),
-            "loss_mask": np.ones((t.global_batch, t.seq_len), np.float32)}
-    host["targets"] = np.roll(host["inputs"], -1, axis=1)
-    batch = setup.device_batch(host)
+    batch = setup.device_batch(random_batch(exp))
     times = []
     for i in range(steps + 2):  # two warm-up steps
         t1 = time.perf_counter()
