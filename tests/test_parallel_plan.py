@@ -25,10 +25,10 @@ SPEC = "pipeline=2,data=2,context=2,tensor=2,rules=fsdp+experts_folded,split=14/
 
 
 def test_spec_string_sets_every_field_and_round_trips():
-    plan = ParallelPlan.parse(SPEC + ",schedule=interleaved3,kv=allgather,order=contiguous,stage_remat=layer")
+    plan = ParallelPlan.parse(SPEC + ",schedule=interleaved3,kv=allgather,order=contiguous,stage_remat=layer,stage_loop=kinds")
     assert plan.mesh == MeshConfig(pipeline=2, data=2, context=2, expert=1, tensor=2)
     assert (plan.rules, plan.microbatches) == ("fsdp+experts_folded", 4)
-    assert plan.pipeline == PipelineConfig(schedule=Interleaved(3), stages_layers=(14, 13), remat="layer")
+    assert plan.pipeline == PipelineConfig(schedule=Interleaved(3), stages_layers=(14, 13), remat="layer", stage_loop="kinds")
     assert plan.context_parallel.kv_exchange == AllGatherKV() and plan.context_parallel.layout == Contiguous()
     assert ParallelPlan.parse(plan.spec()) == plan
 
@@ -68,10 +68,11 @@ def test_bad_specs_name_the_part(spec, message):
 
 def test_from_experiment_reads_the_gin_fields_and_the_layout_string_on_top():
     exp = Experiment(model=LlamaConfig(), mesh=MeshConfig(data=4, tensor=2),
-                     train=TrainConfig(rules="fsdp", microbatches=2), pipeline=PipelineConfig(stages_layers=(3, 1)))
+                     train=TrainConfig(rules="fsdp", microbatches=2),
+                     pipeline=PipelineConfig(stages_layers=(3, 1), stage_loop="kinds"))
     plan = ParallelPlan.from_experiment(exp)
-    assert (plan.mesh, plan.rules, plan.microbatches, plan.pipeline.stages_layers) == \
-        (MeshConfig(data=4, tensor=2), "fsdp", 2, (3, 1))
+    assert plan.pipeline == exp.pipeline  # every PipelineConfig field reaches the plan
+    assert (plan.mesh, plan.rules, plan.microbatches) == (MeshConfig(data=4, tensor=2), "fsdp", 2)
     layered = ParallelPlan.from_experiment(dataclasses.replace(exp, layout="pipeline=2,data=8,microbatches=4"))
     assert layered.mesh.sizes() == dict(pipeline=2, data=8, context=1, expert=1, tensor=1)
     assert (layered.rules, layered.microbatches, layered.pipeline.stages_layers) == ("fsdp", 4, (3, 1))
@@ -95,6 +96,9 @@ def test_validate_checks_the_pipeline_schedule_against_microbatches():
     plan = ParallelPlan.parse("pipeline=2,data=4,microbatches=1")
     with pytest.raises(ValueError, match="microbatches=1 < pipeline=2"):
         plan.validate(LlamaConfig(), global_batch=8, seq_len=16, mesh_shape=dict(MESH, pipeline=2, context=1))
+    with pytest.raises(ValueError, match="stage_loop='scan'"):
+        ParallelPlan.parse("pipeline=2,data=4,microbatches=2,stage_loop=scan").validate(
+            LlamaConfig(), global_batch=8, seq_len=16, mesh_shape=dict(MESH, pipeline=2, context=1))
 
 
 # ---- one grammar: every field round-trips, and every reader uses it -------------------------
@@ -114,7 +118,7 @@ def _random_plan(rng: random.Random) -> ParallelPlan:
         rules=rng.choice(RULES), microbatches=rng.randint(1, 64),
         schedule=pick(GPipe(), Interleaved(rng.randint(2, 6))),
         split=pick(None, tuple(rng.randint(1, 40) for _ in range(rng.randint(1, 8)))),
-        stage_remat=pick("none", "layer", "stage"),
+        stage_remat=pick("none", "layer", "stage"), stage_loop=pick("auto", "runs", "switched", "kinds"),
         context_parallel=ContextParallel(layout=pick(LoadBalanced(), Contiguous()),
                                          kv_exchange=pick(RingKV(), AllGatherKV(), LatentKV())),
         remat=pick(None, "none", "dots_no_batch", "full", "offload_dots"),

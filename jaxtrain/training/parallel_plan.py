@@ -4,7 +4,7 @@
     rules                  rule table and overlays (meshes/rules.py): "fsdp+experts_folded"
     microbatches           gradient accumulation, or the microbatches a pipeline streams
     schedule, split,       the pipeline (used when pipeline > 1)
-      stage_remat
+      stage_remat, stage_loop
     context_parallel       sequence order and K/V exchange over `context`
     remat, attention       overrides of the model config's own (None: the config's)
     groups                 device groups' rows of each batch (jaxtrain/training/device_groups.py)
@@ -40,6 +40,7 @@ class ParallelPlan:
     schedule: object = GPipe()  # GPipe() | Interleaved(virtual_stages)
     split: tuple[int, ...] | None = None  # layers per pipeline chunk; None: balanced by cost
     stage_remat: str = "none"  # none | layer | stage
+    stage_loop: str = "auto"  # auto | runs | switched | kinds (models/stage_program.py)
     context_parallel: ContextParallel = ContextParallel()
     remat: str | None = None  # the model's remat policy; None: its config's
     attention: str | None = None  # a plan_keys.ATTENTION name; None: the model config's
@@ -86,7 +87,8 @@ class ParallelPlan:
         if pipeline is None:
             return self
         split = tuple(pipeline.stages_layers) if pipeline.stages_layers is not None else None
-        return dataclasses.replace(self, schedule=pipeline.schedule, split=split, stage_remat=pipeline.remat)
+        return dataclasses.replace(self, schedule=pipeline.schedule, split=split, stage_remat=pipeline.remat,
+                                   stage_loop=pipeline.stage_loop)
 
     def spec(self) -> str:
         """Every field as a spec string: `ParallelPlan.parse(p.spec()) == p`, and applied over any
@@ -116,7 +118,8 @@ class ParallelPlan:
     def pipeline(self):
         """The pipeline settings as a PipelineConfig (jaxtrain/pipeline/config.py)."""
         from jaxtrain.pipeline.config import PipelineConfig
-        return PipelineConfig(schedule=self.schedule, stages_layers=self.split, remat=self.stage_remat)
+        return PipelineConfig(schedule=self.schedule, stages_layers=self.split, remat=self.stage_remat,
+                              stage_loop=self.stage_loop)
 
     def rule_set(self):
         from meshes.rules import get_rule_set

@@ -131,6 +131,8 @@ KEYS: tuple[Key, ...] = (
         "layers per pipeline chunk in model order; auto: balanced by per-layer cost"),
     Key("stage_remat", "stage_remat", _word, str, "none | layer | stage",
         "what a pipeline stage rematerializes (models/stage_program.py)"),
+    Key("stage_loop", "stage_loop", _word, str, "auto | runs | switched | kinds",
+        "how a stage with alternating layer kinds loops over its slots (models/stage_program.py)"),
     Key("order", "context_parallel.layout", *_choice(ORDERS, "order"), " | ".join(ORDERS),
         "which sequence chunks each `context` rank holds (meshes/context_settings.py)"),
     Key("kv", "context_parallel.kv_exchange", *_choice(KV_EXCHANGES, "kv"), " | ".join(KV_EXCHANGES),
