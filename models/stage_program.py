@@ -154,6 +154,12 @@ class StageProgram:
                 return per_stage(lambda s: one(s, None))(stack)
             return per_stage(one)(stack, ctx["repeat"])
 
+        def put(k, dstack, read, ctx, dw):
+            one = lambda s, r, g: _add_to_layer(s, r, read, g, self.names[k])
+            if ctx["repeat"] is None:
+                return per_stage(lambda s, g: one(s, None, g))(dstack, dw)
+            return per_stage(one)(dstack, ctx["repeat"], dw)
+
         def apply(k, x, weights, ctx, step):
             def one(x, w, pos, seg, ok):
                 y, aux = nnx.merge(self.graphdefs[k], w)(x, pos, seg)
@@ -163,7 +169,7 @@ class StageProgram:
 
         reads = jnp.asarray([i for _, i in self.slots], jnp.int32)
         kind_ids = [self.kinds.index(kind) for kind, _ in self.slots]
-        x, per_kind = scan_kinds(take, apply, x, stacks, ctx, reads, kind_ids, remat=self.layer_remat)
+        x, per_kind = scan_kinds(take, put, apply, x, stacks, ctx, reads, kind_ids, remat=self.layer_remat)
         # occurrences first in the loop, stages first in the pipeline
         per_kind = [jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1), aux) for aux in per_kind]
         return x, dict(zip(self.kinds, per_kind))
@@ -261,3 +267,17 @@ def _layer_of(stack, repeat, index, names: dict):
         return constrain_param(w, axes) if axes is not None else w
 
     return jax.tree_util.tree_map_with_path(one, stack)
+
+
+def _add_to_layer(stack, repeat, index, grads, names: dict):
+    """`stack` with one layer's `grads` added to the layer _layer_of(stack, repeat, index) reads:
+    its transpose, as one layer's work (autodiff's transpose is a zero stack with one row set)."""
+    def one(path, a, g):
+        axes = names.get(path_keys(path))
+        g = constrain_param(g, axes) if axes is not None else g
+        lead = (index,) if repeat is None else (repeat, index)
+        start = lead + (0,) * (a.ndim - len(lead))
+        row = jax.lax.dynamic_slice(a, start, (1,) * len(lead) + a.shape[len(lead):])
+        return jax.lax.dynamic_update_slice(a, row + g.reshape(row.shape), start)
+
+    return jax.tree_util.tree_map_with_path(one, stack, grads)

@@ -25,6 +25,10 @@ def take(k, stack, read, ctx):
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, read, keepdims=False), stack)
 
 
+def put(k, dstack, read, ctx, dw):
+    return jax.tree.map(lambda a, g: a.at[read].add(g), dstack, dw)
+
+
 def apply(k, x, w, ctx, step):
     y, aux = LAYERS[k](x, w)
     ok = ctx["keep"][step]
@@ -33,7 +37,7 @@ def apply(k, x, w, ctx, step):
 
 def kinds_loop(stacks, x, remat):
     reads = jnp.asarray([index for _, index in pattern_slots(KINDS)], jnp.int32)
-    return scan_kinds(take, apply, x, stacks, {"keep": jnp.asarray(KEEP)}, reads, KINDS, remat=remat)
+    return scan_kinds(take, put, apply, x, stacks, {"keep": jnp.asarray(KEEP)}, reads, KINDS, remat=remat)
 
 
 @pytest.mark.parametrize("remat", ["none", "dots", "full"])
@@ -79,6 +83,42 @@ def test_stage_loop_chooses_the_loop_that_steps_fastest_and_the_config_overrides
     PipelineConfig(stage_loop="kinds").validate(stages=2, microbatches=2)
     with pytest.raises(ValueError, match="loop must be"):
         StageProgram(None, alternating, 1, loop="scan")
+
+
+def _reverse_scans(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan" and eqn.params["reverse"]:
+            yield eqn.params["jaxpr"].jaxpr
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _reverse_scans(sub)
+
+
+def _eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _eqns(sub)
+
+
+def test_a_backward_step_adds_one_layers_gradient_and_no_stack_passes_the_switch(toy):
+    """Counted on the backward scan's jaxpr: no gradient stack passes through the switch and no
+    equation of the step makes one but the one-row update of each kind's gradient stack. Adding
+    the transpose of `take` (a zero stack with one row set) cost a whole stack per step (quadratic
+    in the layers), and the stacks' gradients passing through the switch were copied through
+    every branch."""
+    stacks = toy[0]
+    x = jnp.ones((5, D))  # rows unlike any stack's leading dimension: shapes tell the values apart
+    stack_shapes = {tuple(a.shape) for a in jax.tree.leaves(stacks)}
+    jaxpr = jax.make_jaxpr(jax.grad(lambda s, x: jnp.sum(kinds_loop(s, x, "none")[0] ** 2)))(stacks, x).jaxpr
+    (body,) = list(_reverse_scans(jaxpr))
+    (switch,) = [e for e in body.eqns if e.primitive.name == "cond"]
+    # the weights go in (read only); no gradient stack goes in or comes out
+    assert sorted(v.aval.shape for v in switch.invars if tuple(v.aval.shape) in stack_shapes) == \
+        sorted(a.shape for a in jax.tree.leaves(stacks))
+    assert not [v.aval.shape for v in switch.outvars if tuple(v.aval.shape) in stack_shapes]
+    made = collections.Counter(e.primitive.name for e in _eqns(body)
+                               for v in e.outvars if tuple(v.aval.shape) in stack_shapes)
+    assert made == {"scatter-add": len(jax.tree.leaves(stacks))}, made
 
 
 def every_stage_inputs(model, plan):

@@ -12,7 +12,10 @@ the loop has its own VJP (`jax.custom_vjp`):
   that depend on the layer's input are stored; those computed from its weights, ctx and step
   alone (the weights, their sharding-constrained views, masks) are recomputed in the backward.
 - backward: one reverse scan; branch k rebuilds kind k's vjp from its buffers' row and applies it,
-  adding the weight gradient into kind k's stacks.
+  returning one layer's weight gradient (zeros for the other kinds), which `put` adds into each
+  kind's stack gradient after the switch: the stacks' gradients are not the switch's operands
+  (XLA copied them through every branch), and a step adds one layer's gradient, not a stack's
+  (the transpose of `take` is a zero stack with one row set).
 
 So the residuals are what a scan per run of one kind keeps, while XLA compiles one layer per kind.
 `take` and `apply` may be vmapped (a pipeline's stages): the loop itself must not be, as a
@@ -33,14 +36,17 @@ from models.layers.layer_scan import REMAT_POLICIES, check_remat
 
 # take(k, stack_k, read, ctx) -> one layer's weights of kind k (views only: sliced again in the
 #   backward pass instead of saved); read: the step's index into kind k's stack (traced).
+# put(k, dstack, read, ctx, dw) -> dstack with dw (one layer's weight gradient) added where
+#   take(k, ., read, ctx) reads: take's transpose, one layer's work.
 # apply(k, x, weights, ctx, step) -> (y, aux): one layer of kind k, the step's mask included.
 Take = Callable
+Put = Callable
 Apply = Callable
 
 
-def scan_kinds(take: Take, apply: Apply, x, stacks: Sequence, ctx, reads, kind_ids, remat: str = "none"):
+def scan_kinds(take: Take, put: Put, apply: Apply, x, stacks: Sequence, ctx, reads, kind_ids, remat: str = "none"):
     """Applies step s's layer (kind kind_ids[s], weights take(k, stacks[k], reads[s], ctx)) in
-    step order. ctx: a pytree handed to take/apply (not differentiated: positions, masks).
+    step order. ctx: a pytree handed to take/put/apply (not differentiated: positions, masks).
     reads: int [steps]. kind_ids: static ints [steps]. Returns (x, [aux of kind k stacked over
     its steps, in step order])."""
     kind_ids = np.asarray(kind_ids, np.int32)
@@ -65,26 +71,24 @@ def scan_kinds(take: Take, apply: Apply, x, stacks: Sequence, ctx, reads, kind_i
         stacks, ctx, reads, buffers = res
         dx, daux = cotangents
         dstacks = jax.tree.map(jnp.zeros_like, tuple(stacks))
+        layer_shapes = [jax.eval_shape(lambda st, r, k=k: take(k, st, r, ctx), stacks[k], reads[0]) for k in range(kinds)]
 
         def step(carry, inputs):
             dx, dstacks = carry
             kind, occ, read, s = inputs
 
             def branch(k):
-                def run(dx, dstacks):
+                def run(dx):
                     w = take(k, stacks[k], read, ctx)
                     rows = [jax.lax.dynamic_index_in_dim(b, occ, keepdims=False) for b in buffers[k]]
                     vjp_fn = plan.rebuild(k, rows, jax.ShapeDtypeStruct(dx.shape, dx.dtype), w, ctx, s)
                     d_aux = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, occ, keepdims=False), daux[k])
                     dx_in, dw = vjp_fn((dx, d_aux))
-                    _, take_vjp = jax.vjp(lambda s_: take(k, s_, read, ctx), stacks[k])
-                    (dstack,) = take_vjp(dw)
-                    new = list(dstacks)
-                    new[k] = jax.tree.map(jnp.add, dstacks[k], dstack)
-                    return dx_in, tuple(new)
+                    return dx_in, tuple(dw if j == k else _zeros(layer_shapes[j]) for j in range(kinds))
                 return run
 
-            dx, dstacks = jax.lax.switch(kind, [branch(k) for k in range(kinds)], dx, dstacks)
+            dx, dws = jax.lax.switch(kind, [branch(k) for k in range(kinds)], dx)
+            dstacks = tuple(put(k, dstacks[k], read, ctx, dws[k]) for k in range(kinds))
             return (dx, dstacks), None
 
         steps = (kind_ids, occurrence, reads, np.arange(len(kind_ids), dtype=np.int32))
@@ -175,6 +179,10 @@ def _depends_on(jaxpr, first: int) -> list[bool]:
     return [is_var(v) and v in dependent for v in jaxpr.outvars]
 
 
+def _zeros(shapes):
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
 def _zero_aux(aux_shapes, counts):
     return tuple(jax.tree.map(lambda s, n=n: jnp.zeros((n,) + s.shape, s.dtype), shapes)
                  for shapes, n in zip(aux_shapes, counts))
@@ -216,7 +224,6 @@ def _forward(plan: _ResidualPlan, x, stacks, ctx, reads, kind_ids, occurrence, c
     aux_shapes = [plan._trace(k, x, stacks[k], ctx, reads) for k in range(kinds)]
     buffers = [tuple(jnp.zeros((counts[k],) + s.shape, s.dtype) for s in plan.shapes[k]) for k in range(kinds)]
     aux_zero = _zero_aux(aux_shapes, counts)
-    zeros = lambda shapes: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     # the row of kind k's buffers each step writes: its occurrence; at another kind's step the row
     # of kind k's previous (or first) step, written back unchanged
     rows_at = np.stack([np.maximum.accumulate(np.where(kind_ids == k, occurrence, 0)) for k in range(kinds)],
@@ -237,8 +244,8 @@ def _forward(plan: _ResidualPlan, x, stacks, ctx, reads, kind_ids, occurrence, c
                 if len(res) != len(buffers[k]):
                     raise AssertionError(f"kind {k}: the step's vjp keeps {len(res)} residuals, "
                                          f"its buffers hold {len(buffers[k])}")
-                rows = tuple(tuple(res) if j == k else zeros(tuple(plan.shapes[j])) for j in range(kinds))
-                return y, tuple(a if j == k else zeros(aux_shapes[j]) for j in range(kinds)), rows
+                rows = tuple(tuple(res) if j == k else _zeros(tuple(plan.shapes[j])) for j in range(kinds))
+                return y, tuple(a if j == k else _zeros(aux_shapes[j]) for j in range(kinds)), rows
             return run
 
         y, step_aux, rows = jax.lax.switch(kind, [branch(k) for k in range(kinds)], x)
