@@ -11,7 +11,6 @@ as a script from the repository root.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -31,12 +30,10 @@ def main(argv=None) -> int:
 
     import jax
 
-    import jaxtrain.pipeline.gradients as gradients
     from jaxtrain.planner.layout_bench import random_batch
     from jaxtrain.training.config import load_experiment, parse_gin
     from jaxtrain.training.parallel_plan import ParallelPlan
     from jaxtrain.training.train_setup import build_train_setup
-    from models.stage_program import StageProgram
 
     parse_gin(args.gin_file, args.gin_param)
     exp = load_experiment()
@@ -44,9 +41,7 @@ def main(argv=None) -> int:
     t = exp.train
     runs = {}
     for loop in args.loops.split(","):
-        gradients.StageProgram = functools.partial(lambda *a, forced, **k: StageProgram(*a, **{**k, "loop": forced}),
-                                                   forced=loop)
-        setup = build_train_setup(exp.model, plan, t, exp.optimizer, loss=exp.loss)
+        setup = build_train_setup(exp.model, plan.with_spec(f"stage_loop={loop}"), t, exp.optimizer, loss=exp.loss)
         start = time.perf_counter()
         compiled = setup.train_step.lower(setup.state.abstract, setup.abstract_batch(t.global_batch, t.seq_len)).compile()
         runs[loop] = {"setup": setup, "step": compiled, "compile_s": time.perf_counter() - start,

@@ -271,13 +271,11 @@ def _layer_of(stack, repeat, index, names: dict):
 
 def _add_to_layer(stack, repeat, index, grads, names: dict):
     """`stack` with one layer's `grads` added to the layer _layer_of(stack, repeat, index) reads:
-    its transpose, as one layer's work (autodiff's transpose is a zero stack with one row set)."""
+    its transpose, as one layer's work (autodiff's transpose is a zero stack with one row set).
+    An index past the end adds nothing (kind_residuals.PAST_END)."""
     def one(path, a, g):
         axes = names.get(path_keys(path))
         g = constrain_param(g, axes) if axes is not None else g
-        lead = (index,) if repeat is None else (repeat, index)
-        start = lead + (0,) * (a.ndim - len(lead))
-        row = jax.lax.dynamic_slice(a, start, (1,) * len(lead) + a.shape[len(lead):])
-        return jax.lax.dynamic_update_slice(a, row + g.reshape(row.shape), start)
+        return (a.at[index] if repeat is None else a.at[repeat, index]).add(g, mode="drop")
 
     return jax.tree_util.tree_map_with_path(one, stack, grads)

@@ -26,7 +26,7 @@ def take(k, stack, read, ctx):
 
 
 def put(k, dstack, read, ctx, dw):
-    return jax.tree.map(lambda a, g: a.at[read].add(g), dstack, dw)
+    return jax.tree.map(lambda a, g: a.at[read].add(g, mode="drop"), dstack, dw)
 
 
 def apply(k, x, w, ctx, step):

@@ -37,10 +37,12 @@ from models.layers.layer_scan import REMAT_POLICIES, check_remat
 # take(k, stack_k, read, ctx) -> one layer's weights of kind k (views only: sliced again in the
 #   backward pass instead of saved); read: the step's index into kind k's stack (traced).
 # put(k, dstack, read, ctx, dw) -> dstack with dw (one layer's weight gradient) added where
-#   take(k, ., read, ctx) reads: take's transpose, one layer's work.
+#   take(k, ., read, ctx) reads: take's transpose, one layer's work; a read past the stack's end
+#   (PAST_END: a step of another kind) adds nothing (a scatter that drops it).
 # apply(k, x, weights, ctx, step) -> (y, aux): one layer of kind k, the step's mask included.
 Take = Callable
 Put = Callable
+PAST_END = 2 ** 30
 Apply = Callable
 
 
@@ -75,7 +77,7 @@ def scan_kinds(take: Take, put: Put, apply: Apply, x, stacks: Sequence, ctx, rea
 
         def step(carry, inputs):
             dx, dstacks = carry
-            kind, occ, read, s = inputs
+            kind, occ, read, s, puts = inputs
 
             def branch(k):
                 def run(dx):
@@ -88,10 +90,12 @@ def scan_kinds(take: Take, put: Put, apply: Apply, x, stacks: Sequence, ctx, rea
                 return run
 
             dx, dws = jax.lax.switch(kind, [branch(k) for k in range(kinds)], dx)
-            dstacks = tuple(put(k, dstacks[k], read, ctx, dws[k]) for k in range(kinds))
+            dstacks = tuple(put(k, dstacks[k], puts[k], ctx, dws[k]) for k in range(kinds))
             return (dx, dstacks), None
 
-        steps = (kind_ids, occurrence, reads, np.arange(len(kind_ids), dtype=np.int32))
+        # each kind's row the step adds to: the step's read at its own kind, past the end elsewhere
+        put_at = jnp.where(kind_ids[:, None] == np.arange(kinds), reads[:, None], PAST_END)
+        steps = (kind_ids, occurrence, reads, np.arange(len(kind_ids), dtype=np.int32), put_at)
         (dx, dstacks), _ = jax.lax.scan(step, (dx, dstacks), steps, reverse=True)
         return dx, dstacks, None, None
 
@@ -217,17 +221,16 @@ def _apply_only(plan: _ResidualPlan, x, stacks, ctx, reads, kind_ids, occurrence
 def _forward(plan: _ResidualPlan, x, stacks, ctx, reads, kind_ids, occurrence, counts):
     """The loop's forward: (x, aux per kind), and each kind's residual buffers ([count, ...]). The
     switch returns one step's residuals of every kind (zeros for the kinds not run); each kind's
-    are written into its buffers after it (a kind not run writes back the row it reads), so the
-    buffers are not operands of the conditional: XLA copied every buffer passing through a branch
-    that did not write it, at every step."""
+    are written into its buffers after it, so the buffers are not operands of the conditional:
+    XLA copied every buffer passing through a branch that did not write it, at every step. A kind
+    not run writes past its buffers' end, a write the scatter drops: no read, no select (writing
+    back the row it read cost three ops per residual leaf and step)."""
     kinds = len(stacks)
     aux_shapes = [plan._trace(k, x, stacks[k], ctx, reads) for k in range(kinds)]
     buffers = [tuple(jnp.zeros((counts[k],) + s.shape, s.dtype) for s in plan.shapes[k]) for k in range(kinds)]
     aux_zero = _zero_aux(aux_shapes, counts)
-    # the row of kind k's buffers each step writes: its occurrence; at another kind's step the row
-    # of kind k's previous (or first) step, written back unchanged
-    rows_at = np.stack([np.maximum.accumulate(np.where(kind_ids == k, occurrence, 0)) for k in range(kinds)],
-                       axis=1).astype(np.int32)
+    # the row of kind k's buffers each step writes: its occurrence, or past the end (dropped)
+    rows_at = np.stack([np.where(kind_ids == k, occurrence, counts[k]) for k in range(kinds)], axis=1).astype(np.int32)
 
     def step(carry, inputs):
         x, aux, buffers = carry
@@ -251,8 +254,7 @@ def _forward(plan: _ResidualPlan, x, stacks, ctx, reads, kind_ids, occurrence, c
         y, step_aux, rows = jax.lax.switch(kind, [branch(k) for k in range(kinds)], x)
 
         def write(stack, row, k):
-            old = jax.lax.dynamic_index_in_dim(stack, at[k], keepdims=False)
-            return jax.lax.dynamic_update_index_in_dim(stack, jnp.where(kind == k, row, old), at[k], 0)
+            return stack.at[at[k]].set(row, mode="drop")
 
         buffers = tuple(tuple(write(b, r, k) for b, r in zip(buffers[k], rows[k])) for k in range(kinds))
         aux = tuple(jax.tree.map(lambda t, v, k=k: write(t, v, k), aux[k], step_aux[k]) for k in range(kinds))
