@@ -65,7 +65,7 @@ def test_matches_ragged_dot_on_random_sizes():
 def matmul_work(jaxpr, repeats: int = 1) -> int:
     """Multiply-adds x 2 of every dot_general in a jaxpr, each counted once per trip of the scans
     around it (XLA's cost analysis counts a loop body once). A while loop has no static trip
-    count: the tile loops must not use one."""
+    count: count its body with `tile_loop_bodies` and its trips as it runs."""
     work = 0
     for eqn in jaxpr.eqns:
         assert eqn.primitive.name != "while", "a while loop: its work cannot be counted"
@@ -74,65 +74,62 @@ def matmul_work(jaxpr, repeats: int = 1) -> int:
             contracted = int(np.prod([eqn.invars[0].aval.shape[d] for d in contract]))
             work += 2 * repeats * int(np.prod(eqn.outvars[0].aval.shape)) * contracted
         trips = repeats * eqn.params["length"] if eqn.primitive.name == "scan" else repeats
-        for value in eqn.params.values():
-            for sub in (value if isinstance(value, (tuple, list)) else (value,)):
-                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-                    work += matmul_work(getattr(sub, "jaxpr", sub), trips)
+        for sub in _subjaxprs(eqn):
+            work += matmul_work(sub, trips)
     return work
 
 
+def _subjaxprs(eqn):
+    return [getattr(v, "jaxpr", v) for value in eqn.params.values()
+            for v in (value if isinstance(value, (tuple, list)) else (value,))
+            if hasattr(v, "eqns") or hasattr(getattr(v, "jaxpr", None), "eqns")]
+
+
 def _has_dot(jaxpr) -> bool:
-    """A dot_general in this jaxpr or any jaxpr inside it (a scan body's `cond` branches)."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            return True
-        for value in eqn.params.values():
-            for v in (value if isinstance(value, (tuple, list)) else (value,)):
-                sub = getattr(v, "jaxpr", v)
-                if hasattr(sub, "eqns") and _has_dot(sub):
-                    return True
-    return False
+    """A dot_general in this jaxpr or any jaxpr inside it."""
+    return any(e.primitive.name == "dot_general" or any(_has_dot(s) for s in _subjaxprs(e)) for e in jaxpr.eqns)
 
 
-def tile_loop_lengths(jaxpr) -> list[int]:
-    """Trip counts of the scans (at any depth) whose body multiplies matrices (at any depth inside
-    it): the tile loops."""
-    lengths = []
+def tile_loop_bodies(jaxpr) -> list:
+    """The bodies of the while loops (at any depth) that multiply matrices: the tile loops, whose
+    trip count is traced (the schedule's items holding rows)."""
+    bodies = []
     for eqn in jaxpr.eqns:
-        subs = [getattr(v, "jaxpr", v) for value in eqn.params.values()
-                for v in (value if isinstance(value, (tuple, list)) else (value,))
-                if hasattr(v, "eqns") or hasattr(getattr(v, "jaxpr", None), "eqns")]
-        if eqn.primitive.name == "scan" and any(_has_dot(s) for s in subs):
-            lengths.append(eqn.params["length"])
-        for sub in subs:
-            lengths += tile_loop_lengths(sub)
-    return lengths
+        if eqn.primitive.name == "while" and _has_dot(eqn.params["body_jaxpr"].jaxpr):
+            bodies.append(eqn.params["body_jaxpr"].jaxpr)
+        for sub in _subjaxprs(eqn):
+            bodies += tile_loop_bodies(sub)
+    return bodies
 
 
 @pytest.mark.parametrize("m, groups", [(4096, 4), (4096, 64), (1000, 7), (64, 64)])
 def test_work_is_one_tile_per_schedule_item_not_rows_times_groups(m, groups):
-    """Forward + backward (three tile loops: out, dlhs, drhs), counted in the traced program: each
-    runs cdiv(m, block_m) + groups trips of one [block_m, k] x [k, n] tile product, so 64 groups
-    cost at most one extra tile each, not 64x the rows' work (the dense ragged_dot on CPU)."""
+    """Forward + backward (three tile loops: out, dlhs, drhs): each loop's body multiplies one
+    [block_m, k] x [k, n] tile (counted in the traced program) and runs at most cdiv(m, block_m)
+    + groups trips (counted as it runs), so 64 groups cost at most one extra tile each, not 64x
+    the rows' work (the dense ragged_dot on CPU)."""
     k, n, block_m = 16, 8, 64
     sizes = jnp.full((groups,), m // groups, jnp.int32)
     f = jax.grad(lambda a, b: grouped_matmul_tiled(a, b, sizes, block_m).sum(), argnums=(0, 1))
     jaxpr = jax.make_jaxpr(f)(jax.ShapeDtypeStruct((m, k), jnp.float32),
                               jax.ShapeDtypeStruct((groups, k, n), jnp.float32))
-    items = -(-m // block_m) + groups
-    assert tile_loop_lengths(jaxpr.jaxpr) == [items] * 3
     one_tile = 2 * block_m * k * n
-    assert matmul_work(jaxpr.jaxpr) == 3 * items * one_tile
+    assert [matmul_work(body) for body in tile_loop_bodies(jaxpr.jaxpr)] == [one_tile] * 3
+    lhs, rhs, cot = jnp.ones((m, k)), jnp.ones((groups, k, n)), jnp.ones((m, n))
+    trips = [int(tiled._forward_counted(lhs, rhs, sizes, block_m)[1]),
+             int(tiled._forward_counted(cot, rhs, sizes, block_m, transpose_rhs=True)[1]),
+             int(tiled._rhs_grad_counted(lhs, cot, sizes, groups, block_m, jnp.float32)[1])]
+    assert max(trips) <= -(-m // block_m) + groups, trips
     rows_work = 3 * 2 * m * k * n  # the ideal: every row through one matrix, three times
-    assert matmul_work(jaxpr.jaxpr) <= rows_work + 3 * (groups + 1) * one_tile
+    assert sum(trips) * one_tile <= rows_work + 3 * (groups + 1) * one_tile, trips
 
 
 @pytest.mark.parametrize("sizes", [[100, 0, 180, 76], [512, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
 def test_a_padded_buffer_costs_its_filled_rows_not_its_size(sizes):
     """A dropless dispatch's receive buffer holds the worst case (every slot sent to one device):
     here 2048 rows of which sum(sizes) are filled. Each of the three tile loops (out, dlhs, drhs)
-    runs a tile product only for items holding a group's rows: counted as the loops run (the
-    count sits in the product's branch), it equals the items of the filled rows' schedule,
+    runs a tile product only for items holding a group's rows: counted as the loops run (a
+    count in the loop's carry), it equals the items of the filled rows' schedule,
     cdiv-per-group, never the 2048 / 64 + 4 = 36 the buffer's static schedule lists. Values and
     gradients equal a float64 loop over the filled rows (the padding's output and gradient are 0)."""
     m, k, n, block_m = 2048, 16, 8, 64
@@ -158,7 +155,7 @@ def test_a_padded_buffer_costs_its_filled_rows_not_its_size(sizes):
 
 def test_the_cpu_dispatch_takes_the_tiles_past_its_threshold(monkeypatch):
     """grouped_matmul(impl="xla") on CPU: past TILED_MIN_DENSE_WORK it runs the tile loop (a
-    `scan` in its jaxpr, no ragged_dot), below it ragged_dot; both equal the float64 loop."""
+    `while` in its jaxpr, no ragged_dot), below it ragged_dot; both equal the float64 loop."""
     import importlib
     gm = importlib.import_module("pallas_kernels.grouped_matmul")  # the module (the package exports the function)
 
@@ -171,5 +168,5 @@ def test_the_cpu_dispatch_takes_the_tiles_past_its_threshold(monkeypatch):
         call = lambda: gm.grouped_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), impl="xla")
         monkeypatch.setattr(gm, "TILED_MIN_DENSE_WORK", threshold)
         text = str(jax.make_jaxpr(call)())
-        assert ("scan" in text and "ragged_dot" not in text) == tiled, (threshold, text[:300])
+        assert ("while" in text and "ragged_dot" not in text) == tiled, (threshold, text[:300])
         np.testing.assert_allclose(np.asarray(call()), reference(lhs, rhs, sizes), rtol=1e-5, atol=1e-5)
