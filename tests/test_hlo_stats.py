@@ -1,12 +1,14 @@
 """Collective statistics of compiled HLO: executed counts multiply loop bodies by their trips and
 count a conditional's branches by how often each runs (a range where the data decides)."""
+import sys
+
 import pytest
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
-from jaxtrain.observe.hlo_stats import collective_stats, executed_collective_stats
+from jaxtrain.observe.hlo_stats import collective_stats, compiled_hlo_text, executed_collective_stats
 
 pytestmark = [pytest.mark.fast]
 
@@ -73,6 +75,17 @@ def test_a_switch_on_a_constant_kind_counts_each_branch_as_often_as_it_runs():
     assert stats["all-reduce"] == _exactly(reduces, reduces * block), stats
     assert stats["all-gather"] == _exactly(gathers, gathers * 4 * block), stats
     assert collective_stats(hlo)["all-gather"]["count"] == 1  # each instruction once
+
+
+def test_a_long_kind_array_is_read_from_the_text_with_its_constants(monkeypatch):
+    """A stage of 35 slots: `as_text()` elides the kinds constant ({...}), so its switch counts
+    as a range; compiled_hlo_text writes it out, and each branch counts as often as it runs."""
+    monkeypatch.setattr(sys.modules[__name__], "KINDS", np.tile(KINDS, 5))
+    compiled = jax.jit(_switched_scan()).lower(jnp.ones((4 * ROWS, WIDTH))).compile()
+    block, reduces = ROWS * WIDTH * 4, int((KINDS == 0).sum())
+    assert executed_collective_stats(compiled.as_text())["all-reduce"]["min_count"] == 0  # why it exists
+    stats = executed_collective_stats(compiled_hlo_text(compiled))
+    assert stats["all-reduce"] == _exactly(reduces, reduces * block), stats
 
 
 def test_the_backward_loop_counts_branches_by_the_stacked_kinds():

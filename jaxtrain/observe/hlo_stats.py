@@ -144,6 +144,21 @@ def _loop_tally(module, loop, memo: dict) -> _Tally:
     return tally
 
 
+def compiled_hlo_text(compiled) -> str:
+    """A jax `Compiled`'s HLO text with every constant written out. `as_text()` elides constants
+    past a few elements as `{...}`, and with them the kind array a stage's switch reads
+    (hlo_branches): a 29-slot hybrid stage's collectives came out as a range, its cheapest to its
+    dearest branch at every slot. Falls back to `as_text()` where jaxlib lacks the print options."""
+    try:
+        from jaxlib import _hlo  # HloPrintOptions: no public jax name
+        options = _hlo.HloPrintOptions()
+        options.print_large_constants = True
+        modules = compiled.runtime_executable().hlo_modules()
+    except (ImportError, AttributeError, TypeError):
+        return compiled.as_text()
+    return modules[0].to_string(options) if len(modules) == 1 else compiled.as_text()
+
+
 def compile_with_partitioned_hlo(lowered):
     """(compiled, the HLO text right after SPMD partitioning) of a jax `Lowered`.
 

@@ -32,7 +32,7 @@ def bench_layout(exp, plan, *, steps: int, compile_only: bool, max_replicated: f
 
     from jaxtrain.observe.flops import model_flops_utilization, peak_flops
     from jaxtrain.observe.hlo_stats import (collective_stats, collectives_by_dtype, compile_with_partitioned_hlo,
-                                            executed_collective_stats)
+                                            compiled_hlo_text, executed_collective_stats)
     from jaxtrain.training.train_setup import build_train_setup
 
     t = exp.train
@@ -52,7 +52,7 @@ def bench_layout(exp, plan, *, steps: int, compile_only: bool, max_replicated: f
     if mem is not None:
         for name in ("argument", "output", "temp", "generated_code"):
             out[f"{name}_gb"] = getattr(mem, f"{name}_size_in_bytes", 0) / 2**30
-    hlo = compiled.as_text()
+    hlo = compiled_hlo_text(compiled)  # constants written out: a stage's switch counts exactly
     out["collectives"] = collective_stats(hlo)  # each instruction once
     out["executed"] = executed_collective_stats(hlo)  # each run counted: loop bodies x trips
     out["partitioned"] = collectives_by_dtype(partitioned)  # each instruction once, the program's dtypes
