@@ -5,11 +5,11 @@ plain stack, `("stacks", "blocks", "moe")` for one kind of a `PatternStack`. Eve
 model is (kind, index within its kind), in the order the model applies them.
 
 A stage runs its slots (meshes/pipeline_split.py) as one program, the same on every stage: a
-masked scan per run of one kind, or, when its kinds alternate under remat `full`, one scan over
-the slots with a plain switch on each slot's kind (`stage_loop` says why). `loop="kinds"`
-(`PipelineConfig.stage_loop`): one scan with a switch and the switch's own VJP, over every stage
-at once (models/layers/kind_residuals.py: each kind's residuals at its own slots only), which
-compiles one layer of each kind: the choice for compile time.
+masked scan per run of one kind, or, when its kinds alternate under remat `full`, the kinds
+loop: one scan with a switch and the switch's own VJP, over every stage at once
+(models/layers/kind_residuals.py: each kind's residuals at its own slots only), which compiles
+one layer of each kind (`stage_loop` says why; `PipelineConfig.stage_loop` chooses otherwise:
+run by run, or a plain switch).
 """
 from __future__ import annotations
 
@@ -229,23 +229,23 @@ def alternates(kinds_in_order) -> bool:
 
 
 def stage_loop(pattern, layer_remat: str) -> str:
-    """How a stage runs its slots by default (`PipelineConfig.stage_loop="auto"`): the loop that
-    steps fastest. "runs" (a scan per run of one kind, the weights the scan's input) unless the
-    kinds alternate under remat `full`, where the plain switch ("switched": one scan over the
-    slots, each slot keeping only its input whatever the kind) holds what run by run holds.
+    """How a stage runs its slots by default (`PipelineConfig.stage_loop="auto"`): where the kinds
+    alternate under remat `full`, the kinds loop (one scan with a switch on the kind and the
+    switch's own VJP, each kind's residuals at its own slots only: models/layers/kind_residuals.py);
+    otherwise run by run (a scan per run of one kind, the weights the scan's input).
 
-    The "kinds" loop (one scan with a switch on the kind and the switch's own VJP, each kind's
-    residuals at its own slots only: models/layers/kind_residuals.py) compiles one layer per kind
-    instead of about one scan per layer, but steps slower here, so it is chosen on purpose
-    (`PipelineConfig.stage_loop = "kinds"`). The Nemotron-shaped reference layout (remat none, test
-    XLA flags, `python benchmarks/stage_loop_step.py --gin_file=configs/nemotron3_nano_reference_layout.gin`,
-    both loops in one process, steps alternating): compile 126.8 s run by run -> 21.4 s kinds,
-    step 10.6 -> 15.5 s (CPU 19.7 -> 29.0 s), same losses; XLA temp 0.1021 -> 0.0738 GiB.
-    XLA temp per device of a width-256 Mamba/MoE/attention stage (benchmarks/stage_loop_memory.py,
-    pipeline=2, data=8), runs / kinds / plain switch: none 0.134 / 0.146 / 0.275 GiB, dots 0.1075 /
-    0.108 / 0.261, full 0.066 / 0.057 / 0.072 (a plain differentiated `lax.switch` keeps every
-    branch's residuals at every slot)."""
-    return "switched" if alternates(pattern) and layer_remat == "full" else "runs"
+    Measured at full size, compile only (`python benchmarks/stage_loop_memory.py
+    --gin_file=configs/nemotron3_nano_pipeline.gin --layout pipeline=2,data=8,microbatches=2,rules=fsdp
+    --loops kinds,runs,switched`, test XLA flags), XLA temp per device: remat full (the config's)
+    kinds 42.3 GiB, run by run 235.9, plain switch 175.1, compile 15.7 / 118.7 / 13.4 s: run by
+    run unrolls the short runs and XLA hoists their FSDP gathers out of the pipeline's tick loop,
+    holding the stage's gathered weights for the step. Remat none (`--gin_param=
+    'NemotronHConfig.remat="none"'`): kinds 580.1, run by run 475.1 GiB (neither fits a device;
+    the kinds loop's residual buffers are written per tick). Width 256 (dots) about equal. On the
+    tiny reference layout (remat none) run by run steps ~1.5x faster on XLA:CPU: its collectives
+    merge across the unrolled layers (652 all-gathers per step against 1,422), and every op is a
+    rendezvous of 16 simulated devices. `PipelineConfig.stage_loop` chooses otherwise."""
+    return "kinds" if alternates(pattern) and layer_remat == "full" else "runs"
 
 
 def _layer_names(stack: LayerStack) -> dict:

@@ -68,15 +68,16 @@ def test_the_kinds_loop_keeps_each_kinds_residuals_at_its_own_steps_only(toy, re
     assert all(kept[shape] == n for shape, n in stack_shapes.items()), (kept, stack_shapes)
 
 
-def test_stage_loop_chooses_the_loop_that_steps_fastest_and_the_config_overrides_it():
-    """What training runs by default: alternating kinds run by run under none, dots and
-    offload_dots (the kinds loop compiles ~6x faster but steps ~1.5x slower on XLA:CPU), the plain
-    switch under full; a stage of one run per kind run by run. `PipelineConfig.stage_loop` picks
-    the kinds loop on purpose, and a loop it does not know is refused before any tracing."""
+def test_stage_loop_chooses_the_kinds_loop_where_kinds_alternate_under_full_and_the_config_overrides_it():
+    """What training runs by default: the kinds loop where the kinds alternate under remat `full`
+    (at full size it holds a fraction of run by run: tests/test_stage_loop_full_size.py), run by
+    run otherwise (full-size remat none holds less run by run; tiny models step faster).
+    `PipelineConfig.stage_loop` picks another loop on purpose, and a loop it does not know is
+    refused before any tracing."""
     from jaxtrain.pipeline.config import PipelineConfig
     from models.stage_program import StageProgram, stage_loop
     alternating, grouped = ("mamba", "moe", "mamba", "attention"), ("mamba", "mamba", "moe")
-    assert [stage_loop(alternating, r) for r in ("none", "dots", "offload_dots", "full")] == ["runs"] * 3 + ["switched"]
+    assert [stage_loop(alternating, r) for r in ("none", "dots", "offload_dots", "full")] == ["runs"] * 3 + ["kinds"]
     assert [stage_loop(grouped, r) for r in ("none", "dots", "full")] == ["runs"] * 3
     with pytest.raises(ValueError, match="stage_loop='scan'"):
         PipelineConfig(stage_loop="scan").validate(stages=2, microbatches=2)

@@ -5,7 +5,7 @@
     Interleaved.virtual_stages = 2
     PipelineConfig.stages_layers = (14, 13)       # or None: balanced by per-layer cost
     PipelineConfig.remat = "stage"                # none | layer | stage
-    PipelineConfig.stage_loop = "kinds"           # auto | runs | switched | kinds (models/stage_program.py)
+    PipelineConfig.stage_loop = "runs"            # auto | runs | switched | kinds (models/stage_program.py)
 
 Microbatches are `TrainConfig.microbatches`: with a pipeline they flow through the stages
 instead of being accumulated one after another.
@@ -35,9 +35,9 @@ class PipelineConfig:
     # parameters a token passes through): for one kind of layer, the balanced split.
     stages_layers: tuple[int, ...] | None = None
     remat: str = "none"  # none | layer | stage (models/stage_program.py)
-    # How a stage with alternating layer kinds loops over its slots: "auto" (`stage_loop`: the
-    # loop that steps fastest) or "kinds" (one scan with a switch: compiles one layer per kind,
-    # ~8x faster on the Nemotron-shaped reference layout, but steps slower on XLA:CPU).
+    # How a stage with alternating layer kinds loops over its slots: "auto" (`stage_loop`: under
+    # remat full the kinds loop, one scan with a switch: full-size Nano holds 42 GiB instead of run
+    # by run's 236 and compiles 8x faster; else run by run), or "runs", "kinds", "switched".
     stage_loop: str = "auto"
 
     def validate(self, stages: int, microbatches: int) -> None:

@@ -121,8 +121,9 @@ def saved_activations(profile: ModelProfile, policy: str, shape: TokenShape, pip
     `extra` bytes per layer of a kind. A switch over kinds (models/layers/layer_scan.py) keeps
     what every kind in it would save, per layer, unless only the layer input is kept (`full`):
     a pattern stack switches over its kinds; a pipeline stage (`pipelined`) keeps each kind's own
-    residuals whatever its loop (models/stage_program.stage_loop: run by run; a plain switch only
-    under `full`; the switch with its own VJP when chosen, models/layers/kind_residuals.py).
+    residuals whatever its loop (models/stage_program.stage_loop: run by run; under `full` with
+    alternating kinds the switch with its own VJP, models/layers/kind_residuals.py; a plain switch
+    only when chosen).
     (A tied switched stage's XLA temp measured within 11% of run by run under `full`:
     tests/test_layer_scan.py.)"""
     extra = extra or {}
