@@ -89,8 +89,12 @@ def test_a_resume_far_into_the_run_decides_one_period_at_most(rng, monkeypatch):
     """A fresh schedule (a resumed run's) at sample n equals the uninterrupted assignment, and the
     samples it decides to get there are bounded by one period, not by n."""
     monkeypatch.setattr(blend_module, "_BLOCK", 64)
-    weights = decimal_weights(rng)
-    period = BlendSchedule(weights).period
+    # Weights whose period passes the two blocks' bound below (equal weights have period 2, and
+    # 3 * 2 samples cannot show a resume deciding fewer samples than it skips).
+    period = 0
+    while period <= 2 * 64:
+        weights = decimal_weights(rng)
+        period = BlendSchedule(weights).period
     count = 3 * period + int(rng.integers(2, period))
     want_sources, want_ranks = brute_force_assignment(weights, count)
     # The reference itself repeats: period p + A is p's source, each rank a_j further on.
