@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from pallas_kernels import low_precision_dot
+
 # The names FSDP splits over the data-parallel axes on top of tensor/expert parallelism: a weight
 # is "gathered" when these dimensions are whole (meshes/rules.py `_FSDP_PARAMS`).
 FSDP_GATHERED_NAMES = ("embed", "expert_embed", "q_lora", "kv_lora")
@@ -81,7 +83,7 @@ class CastWhereUsed:
     casts_before_gather = False
 
     def contract(self, x, w, n_in: int, dtype, names, mesh, rules):
-        return jnp.tensordot(x.astype(dtype), w.astype(dtype), axes=n_in)
+        return low_precision_dot.tensordot(x.astype(dtype), w.astype(dtype), n_in)
 
     def gather_in_shard_map(self, w, axes_per_dim, dtype):
         return _all_gather_dims(w, axes_per_dim).astype(dtype)
@@ -170,7 +172,7 @@ def _contract_fwd(x, w, n_in, dtype, sharded, gathered, keep):
     # Pinning the bf16 copy to the sharded layout first makes XLA convert before it gathers.
     ws = _pin(w.astype(dtype), sharded)
     wb = _pin(ws, gathered)
-    return jnp.tensordot(x, wb, axes=n_in), (x, keep.residual(ws, wb))
+    return low_precision_dot.tensordot(x, wb, n_in), (x, keep.residual(ws, wb))
 
 
 def _contract_bwd(n_in, dtype, sharded, gathered, keep, residuals, g):
@@ -180,7 +182,7 @@ def _contract_bwd(n_in, dtype, sharded, gathered, keep, residuals, g):
     batch = tuple(range(x.ndim - n_in))
     # dx = g . w^T over w's output dims; dw = x^T . g over the batch dims, produced in float32
     # (bf16 operands) so the partial sums are reduce-scattered in float32.
-    dx = jax.lax.dot_general(g, wb, ((tuple(range(len(batch), g.ndim)), tuple(range(n_in, wb.ndim))), ((), ())))
+    dx = low_precision_dot.dot_general(g, wb, ((tuple(range(len(batch), g.ndim)), tuple(range(n_in, wb.ndim))), ((), ())))
     dw = jax.lax.dot_general(x, g, ((batch, batch), ((), ())), preferred_element_type=jnp.float32)
     return dx.astype(x.dtype), _pin(dw, sharded)
 

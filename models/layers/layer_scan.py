@@ -29,14 +29,26 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from pallas_kernels.low_precision_dot import inner_dot
+
+
+def _rounded_dots_as_dots(policy):
+    """`policy`, deciding for a rounded bf16 matmul (pallas_kernels/low_precision_dot.py, a custom
+    VJP call on CPU) as for the dot inside it."""
+    def decide(prim, *avals, **params):
+        dot = inner_dot(prim, params)
+        return policy(prim, *avals, **params) if dot is None else policy(dot[0], *dot[1], **dot[2])
+    return decide
+
+
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": _rounded_dots_as_dots(jax.checkpoint_policies.dots_saveable),
+    "dots_no_batch": _rounded_dots_as_dots(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
     # as dots_no_batch, but the saved matmul outputs wait for the backward pass in host memory
     # (activation offload: device memory of recomputation, without its FLOPs)
-    "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+    "offload_dots": _rounded_dots_as_dots(jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")),
 }
 
 Layer = Callable  # (x, one layer's weights) -> (x, aux)
