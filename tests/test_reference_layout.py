@@ -73,14 +73,12 @@ PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-4
 # Hence the comparisons below are one step each. Another seed, other data or another width may
 # need checking again.
 SEEDS = {"deepseek_v2_lite_reference_layout": 0, "nemotron3_nano_reference_layout": 5}
-# Nemotron's case costs ~7.4 min (2026-12-03, 443.9 s for its 4 tests, 363 s of it the 20-step
-# training fixture, with the kinds loop; a loaded machine). Its pipelined program compiles in ~105 s
-# run by run (the default under its remat none, models/stage_program.stage_loop; ~13-21 s with
-# PipelineConfig.stage_loop = "kinds", whose steps are ~1.5x slower here), and its steps on 16
-# simulated devices are the rest:
-# beyond the suite's budget. Opt in with JAXTRAIN_SLOW_TESTS=1 (make test-reference does).
+# Nemotron's case: its pipelined program compiles in ~11 s (remat full: the kinds loop,
+# models/stage_program.stage_loop; ~2 min run by run under remat none, before 2026-12-06), and its
+# steps on 16 simulated devices are the rest (~9 s each): beyond the suite's budget. Opt in with
+# JAXTRAIN_SLOW_TESTS=1 (make test-reference does).
 SLOW = pytest.mark.skipif(not os.environ.get("JAXTRAIN_SLOW_TESTS"),
-                          reason="~7 min (20 pipelined steps of the 52-layer program): set JAXTRAIN_SLOW_TESTS=1")
+                          reason="~5 min (20 pipelined steps of the 52-layer program): set JAXTRAIN_SLOW_TESTS=1")
 CONFIGS = [
     "deepseek_v2_lite_reference_layout",
     pytest.param("nemotron3_nano_reference_layout", marks=SLOW),
