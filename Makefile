@@ -42,7 +42,7 @@ test-e2e: $(VENV)/.stamp
 test-fast: $(VENV)/.stamp
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope -m "fast" $(ARGS)
 
-# The 16-device reference layout end to end (27- and 52-layer models, 20 steps, resumes): ~10 min
+# The 16-device reference layout end to end (27- and 52-layer models, 20 steps, resumes): ~7 min
 # on two cores, so it is its own target; CI runs it after the suite.
 test-reference: $(VENV)/.stamp
 	JAXTRAIN_SLOW_TESTS=1 $(PY) -m pytest tests -m reference_layout $(ARGS)
