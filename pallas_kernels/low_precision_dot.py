@@ -79,6 +79,8 @@ def _tensordot_bwd(n_in, residuals, g):
     out_dims = tuple(range(len(batch), g.ndim))
     # dx = g . w^T over w's output dims; dw = x^T . g over the batch dims
     dx = dot_general(g, w, ((out_dims, tuple(range(n_in, w.ndim))), ((), ())), impl="round_once")
+    if len(batch) == 1:  # a lone contracting dimension would widen (see _batched_bwd): add a unit one
+        x, g, batch = x[None], g[None], (0, 1)
     dw = dot_general(x, g, ((batch, batch), ((), ())), impl="round_once")
     return dx, dw
 
@@ -86,8 +88,45 @@ def _tensordot_bwd(n_in, residuals, g):
 _rounded_tensordot.defvjp(_tensordot_fwd, _tensordot_bwd)
 
 
+def batched_matmul(a, w, *, impl: str = "auto"):
+    """`[b, n, k] x [b, k, m] -> [b, n, m]`, one matmul per leading index (the capacity
+    dispatch's experts), a and w of one dtype; gradients in the same formulation."""
+    if a.dtype != w.dtype:
+        raise TypeError(f"low_precision_dot.batched_matmul: operands of one dtype, got {a.dtype} and {w.dtype}")
+    if not rounds_once(a.dtype, impl):
+        return jnp.einsum("bnk,bkm->bnm", a, w)
+    return _rounded_batched_matmul(a, w)
+
+
+_BATCHED = (((2,), (1,)), ((0,), (0,)))
+
+
+@jax.custom_vjp
+def _rounded_batched_matmul(a, w):
+    return dot_general(a, w, _BATCHED, impl="round_once")
+
+
+def _batched_fwd(a, w):
+    return _rounded_batched_matmul(a, w), (a, w)
+
+
+def _batched_bwd(residuals, g):
+    a, w = residuals
+    g = g.astype(a.dtype)
+    da = dot_general(g, w, (((2,), (2,)), ((0,), (0,))), impl="round_once")  # [b,n,m] . [b,k,m]^T
+    # dw = a^T . g per b, contracting n: XLA:CPU (jaxlib 0.10.2) widens a dot whose lhs contracts
+    # one non-minor dimension (a transpose written first is folded back into the dot). Over two
+    # contracting dimensions (n and a unit one) its dot decomposer copies the lhs to [b, k, n]
+    # in bf16 and the dot stays on bf16 operands.
+    dw = dot_general(a[:, None], g[:, None], (((1, 2), (1, 2)), ((0,), (0,))), impl="round_once")
+    return da, dw
+
+
+_rounded_batched_matmul.defvjp(_batched_fwd, _batched_bwd)
+
+
 def inner_dot(prim, params):
-    """For a remat policy: when (prim, params) is a rounded `tensordot` (a custom VJP call whose
+    """For a remat policy: when (prim, params) is a rounded `tensordot` or `batched_matmul` (a custom VJP call whose
     primal is one dot and its rounding), (the dot's primitive, its operands' avals, its params),
     so a policy saving matmul outputs saves this one's rounded output as it saved the plain bf16
     dot's; else None. A custom VJP call is opaque to policies otherwise: its output counted as no

@@ -6,7 +6,8 @@ Nemotron-H's squared ReLU). Each computes two ways, with the same math:
 - `compute`: tokens sorted by expert, ragged groups (the dropless dispatch). The grouped matmul
   is `pallas_kernels.grouped_matmul`, whose XLA path is `jax.lax.ragged_dot`.
 - `compute_batched`: a fixed [experts, rows, embed] buffer, every expert the same number of rows
-  (the capacity dispatch): a dense batched einsum, static shapes on every backend.
+  (the capacity dispatch): a dense batched matmul, static shapes on every backend
+  (`pallas_kernels.low_precision_dot.batched_matmul`: bf16 operands on XLA:CPU too).
 """
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from flax import nnx
 from models.layers.activations import activation as _activation
 from models.layers.params import normal, param
 from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.low_precision_dot import batched_matmul
 
 
 def _batched_matmul(dtype):
     """[e, n, k] x [e, k, m] -> [e, n, m]: one dense matmul per expert."""
-    return lambda a, w: jnp.einsum("enk,ekm->enm", a, w.astype(dtype))
+    return lambda a, w: batched_matmul(a, w.astype(dtype))
 
 
 WEIGHT_AXES = {  # logical axes of each expert weight (`expert_embed`: FSDP splits it over EDP too)
