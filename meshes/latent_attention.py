@@ -23,6 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import low_precision_dot
 from pallas_kernels.flash_attention import NO_KEYS, attention_backward, attention_forward, merge_partials
 
 _F32 = jnp.float32
@@ -67,10 +68,14 @@ def _unchunked(x):
     return x.reshape(x.shape[0], -1, *x.shape[3:])
 
 
+_UP = (((2,), (0,)), ((), ()))  # [b, c, kv_lora] . [kv_lora, h, d] -> [b, c, h, d]
+
+
 def _keys_values(latent_c, k_rope_c, w_up, nope: int):
     """One chunk's per-head keys [b, c, h, nope + rope] and values [b, c, h, dv] (the MLA Dense's
-    math: a contraction in the latent's dtype)."""
-    kv = jnp.einsum("bsc,chd->bshd", latent_c, w_up)
+    math: a contraction in the latent's dtype, rounded once: low_precision_dot)."""
+    dtype = jnp.result_type(latent_c, w_up)
+    kv = low_precision_dot.dot_general(latent_c.astype(dtype), w_up.astype(dtype), _UP)
     k_nope, v = kv[..., :nope], kv[..., nope:]
     k_rope_c = jnp.broadcast_to(k_rope_c[:, :, None, :], k_nope.shape[:-1] + k_rope_c.shape[-1:])
     return jnp.concatenate([k_nope, k_rope_c.astype(k_nope.dtype)], axis=-1), v
@@ -111,7 +116,6 @@ def _fwd(q, latent, k_rope, w_up, q_segment, kv_segment, q_places, kv_places, co
 def _bwd(config, res, dout):
     q, latent, k_rope, w_up, q_segment, kv_segment, q_places, kv_places, out, lse = res
     nope, scale, impl, block_q, block_k, chunk = config
-    w32 = w_up.astype(_F32)
 
     def step(carry, xs):
         dq, dw = carry
@@ -119,11 +123,15 @@ def _bwd(config, res, dout):
         k, v = _keys_values(latent_c, k_rope_c, w_up, nope)
         dq_c, dk, dv = attention_backward(q, k, v, q_segment, segment_c, q_places, places_c, out, lse, dout,
                                           scale=scale, impl=impl, block_q=block_q, block_k=block_k)
-        dk = dk.astype(_F32)
-        dkv = jnp.concatenate([dk[..., :nope], dv.astype(_F32)], axis=-1)  # d (latent @ w_up) [b, c, h, nope+dv]
-        d_latent = jnp.einsum("bshd,chd->bsc", dkv, w32)
-        d_k_rope = dk[..., nope:].sum(axis=2)  # the rotary key is shared by every head
-        dw = dw + jnp.einsum("bsc,bshd->chd", latent_c.astype(_F32), dkv)
+        # d (latent @ w_up) [b, c, h, nope + dv] in the keys' dtype (dk, dv come in it), multiplied
+        # on those operands with float32 sums: the same numbers as widening them first, without
+        # float32 operands (which XLA:CPU multiplies at half its bf16 speed and GPUs move twice)
+        dkv = jnp.concatenate([dk[..., :nope], dv.astype(dk.dtype)], axis=-1)
+        w = w_up.astype(dkv.dtype)
+        d_latent = jax.lax.dot_general(dkv, w, (((2, 3), (1, 2)), ((), ())), preferred_element_type=_F32)
+        d_k_rope = dk[..., nope:].astype(_F32).sum(axis=2)  # the rotary key is shared by every head
+        dw = dw + jax.lax.dot_general(latent_c.astype(dkv.dtype), dkv, (((0, 1), (0, 1)), ((), ())),
+                                      preferred_element_type=_F32)
         return (dq + dq_c.astype(_F32), dw), (d_latent, d_k_rope)
 
     start = (jnp.zeros(q.shape, _F32), jnp.zeros(w_up.shape, _F32))

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxtrain.observe.hlo_dots import dot_dtypes
 from meshes.context_layout import (ContextParallel, LatentKV, LoadBalanced, RingKV, device_order,
                                    use_context_parallel)
 from meshes.latent_attention import latent_attention
@@ -80,6 +81,45 @@ def test_chunked_latent_attention_equals_up_projecting_first():
     assert_close(got, want, "loss")
     for name, g, w in zip(("dq", "d latent", "d k_rope", "d w_up"), got_grads, want_grads):
         assert_close(g, w, name)
+
+
+def test_bf16_latent_attention_multiplies_bf16_and_matches_float32():
+    """A bf16 model's chunked latent attention: on XLA:CPU every matmul of its forward and
+    backward has bf16 operands (the up-projection and its two gradients took float32 ones, at
+    half the speed), and its value and gradients are float32 whole-sequence attention's (plain
+    autodiff) up to bf16 rounding of the keys, values and outputs."""
+    b, length, heads, kv_lora, nope, rope, dv = 2, 32, 4, 64, 16, 8, 16
+    rng = np.random.default_rng()
+    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    q, latent, k_rope = draw(b, length, heads, nope + rope), draw(b, length, kv_lora), draw(b, length, rope)
+    w_up, weights = draw(kv_lora, heads, nope + dv) * 0.2, draw(b, length, heads, dv)
+    seg, places = jnp.asarray(packed_segments(b, length, ([9], [20]))), jnp.arange(length)
+
+    def attend(q, latent, k_rope, w_up):
+        return latent_attention(q, latent, k_rope, w_up, seg, seg, places, places, nope=nope, scale=0.2,
+                                impl="xla", block_q=8, block_k=8, chunk=8)
+
+    def up_projected(q, latent, k_rope, w_up):  # the reference: whole-sequence keys, plain autodiff
+        kv = jnp.einsum("bsc,chd->bshd", latent, w_up)
+        k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_rope[:, :, None], kv.shape[:3] + (rope,))], -1)
+        return attention_reference(q, k, kv[..., nope:], seg, seg, places, places, scale=0.2)[0]
+
+    def out_and_grads(f, args):
+        loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32) * weights.astype(jnp.float32))
+        return jax.jit(lambda *a: (f(*a), *jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))
+
+    args = (q, latent, k_rope, w_up)
+    with jax.default_matmul_precision("default"):  # the training default (the fixture asks for highest)
+        step = out_and_grads(attend, args)
+        dots = dot_dtypes(step.lower(*args).compile().as_text())
+        got = step(*args)
+    assert len(dots) >= 6 and all(ops == ("bf16", "bf16") for _, ops in dots), dots
+    args32 = [a.astype(jnp.float32) for a in args]
+    want = out_and_grads(up_projected, args32)(*args32)
+    # bf16 rounding of keys, values and outputs: 0.8% of the largest value at worst over 40 draws
+    for name, g, w in zip(("out", "dq", "d latent", "d k_rope", "d w_up"), got, want):
+        assert g.dtype == jnp.bfloat16, name
+        assert_close(g, w, name, rtol=1.5e-2)
 
 
 EMBED, HEADS, KV_LORA, NOPE, ROPE, V, LENGTH = 32, 4, 16, 8, 8, 6, 32
