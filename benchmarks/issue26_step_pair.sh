@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A/B of two checkouts on issue 26.5's shape: BEFORE and AFTER (e.g. worktrees of a commit and of it plus one
-# change), RUNS in order ("LAYOUT:before" / "LAYOUT:after"; A4, F16, A4AG = the 4-axis with kv=allgather),
+# change), RUNS in order ("LAYOUT:before" / "LAYOUT:after"; A4, F16, A4AG = the 4-axis with kv=allgather,
+# A4CAP = the 4-axis at capacity factor 1.0),
 # one process per run (benchmarks/issue26_step_cpu.py), each run under the timing lock:
 #   BEFORE=/tmp/b AFTER=/tmp/a STEPS=3 OUT=/tmp/ab benchmarks/issue26_step_pair.sh
 set -u
@@ -11,8 +12,9 @@ RUNS=${RUNS:-"A4:before A4:after A4:after A4:before F16:before F16:after F16:aft
 i=0
 for r in $RUNS; do
   i=$((i+1)); lay=${r%%:*}; code=${r##*:}
-  case $lay in A4) L=$AXES4;; F16) L=$FSDP;; A4AG) L=$AXES4,kv=allgather;; esac
+  EXTRA=(); case $lay in A4) L=$AXES4;; F16) L=$FSDP;; A4AG) L=$AXES4,kv=allgather;;
+    A4CAP) L=$AXES4; EXTRA=(--gin_param=RouterConfig.capacity_factor=1.0);; esac
   tag=run${i}_${lay}_${code}
-  flock /tmp/jaxtrain_heavy.lock bash -c "cd $([ $code = before ] && echo $BEFORE || echo $AFTER) && $PY $HERE/issue26_step_cpu.py step ${FLAGS[*]@Q} --layout $L --json $OUT/$tag.bench.json > $OUT/$tag.log 2>&1"
+  flock /tmp/jaxtrain_heavy.lock bash -c "cd $([ $code = before ] && echo $BEFORE || echo $AFTER) && $PY $HERE/issue26_step_cpu.py step ${FLAGS[*]@Q} ${EXTRA[*]@Q} --layout $L --json $OUT/$tag.bench.json > $OUT/$tag.log 2>&1"
   echo "$i $lay $code $(tail -n1 $OUT/$tag.log) load $(cut -d' ' -f1 /proc/loadavg) $(date -u +%T)" | tee -a $OUT/runs.txt
 done
