@@ -79,13 +79,23 @@ def _tensordot_bwd(n_in, residuals, g):
     out_dims = tuple(range(len(batch), g.ndim))
     # dx = g . w^T over w's output dims; dw = x^T . g over the batch dims
     dx = dot_general(g, w, ((out_dims, tuple(range(n_in, w.ndim))), ((), ())), impl="round_once")
-    if len(batch) == 1:  # a lone contracting dimension would widen (see _batched_bwd): add a unit one
-        x, g, batch = x[None], g[None], (0, 1)
-    dw = dot_general(x, g, ((batch, batch), ((), ())), impl="round_once")
+    dw = _weight_gradient(x, g, contract=batch, batch=())
     return dx, dw
 
 
 _rounded_tensordot.defvjp(_tensordot_fwd, _tensordot_bwd)
+
+
+def _weight_gradient(x, g, *, contract: tuple, batch: tuple):
+    """x^T . g over the dimensions `contract` (the same in both), per `batch` index, rounded once.
+    XLA:CPU (jaxlib 0.10.2) widens a dot whose lhs contracts one non-minor dimension, even with a
+    float32 result (a transpose written first is folded back into the dot); over two contracting
+    dimensions (a unit one added) its dot decomposer copies the lhs in bf16 and the dot stays on
+    bf16 operands."""
+    if len(contract) == 1:
+        axis = contract[0]
+        x, g, contract = jnp.expand_dims(x, axis), jnp.expand_dims(g, axis), (axis, axis + 1)
+    return dot_general(x, g, ((contract, contract), (batch, batch)), impl="round_once")
 
 
 def batched_matmul(a, w, *, impl: str = "auto"):
@@ -114,11 +124,7 @@ def _batched_bwd(residuals, g):
     a, w = residuals
     g = g.astype(a.dtype)
     da = dot_general(g, w, (((2,), (2,)), ((0,), (0,))), impl="round_once")  # [b,n,m] . [b,k,m]^T
-    # dw = a^T . g per b, contracting n: XLA:CPU (jaxlib 0.10.2) widens a dot whose lhs contracts
-    # one non-minor dimension (a transpose written first is folded back into the dot). Over two
-    # contracting dimensions (n and a unit one) its dot decomposer copies the lhs to [b, k, n]
-    # in bf16 and the dot stays on bf16 operands.
-    dw = dot_general(a[:, None], g[:, None], (((1, 2), (1, 2)), ((0,), (0,))), impl="round_once")
+    dw = _weight_gradient(a, g, contract=(1,), batch=(0,))  # [b,n,k]^T . [b,n,m]
     return da, dw
 
 

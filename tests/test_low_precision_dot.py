@@ -174,7 +174,6 @@ def test_remat_policies_save_a_rounded_dot_as_the_native_one(remat, matmul):
         return sorted(line.split()[0] for line in out.getvalue().splitlines())  # e.g. bf16<host>[8,32]
 
     assert saved("round_once") == saved("native")
-    # the matmul's [8, 32] output is among what the dot policies keep, and only theirs
     # the matmul's [.., 8, 32] output is among what the dot policies keep, and only theirs (a
     # batched dot not under the two that keep dots with no batch dimensions)
     kept = remat != "full" and not (matmul == "batched" and remat in ("dots_no_batch", "offload_dots"))
