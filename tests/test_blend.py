@@ -1,9 +1,9 @@
-"""Blends: Megatron's per-sample source assignment, realized proportions, per-source epochs, and
-the blended iterator's determinism across process counts and resumes."""
+"""Blends: Megatron's per-sample source assignment, realized proportions, per-source epochs, the
+blended iterator's determinism across process counts and resumes, and blended stores of every
+format against the reference packer."""
 from __future__ import annotations
 
 import random
-from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -17,6 +17,8 @@ from jaxtrain.data.store.memory_source import MemorySource
 from jaxtrain.data.store.training_sources import parse_blend
 from jaxtrain.data.store.windows import WindowIndex
 
+from data_reference import brute_force_assignment, reference_blend_rows
+
 pytestmark = [pytest.mark.fast]
 
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "source_ids")
@@ -27,23 +29,6 @@ def rng():
     seed = random.SystemRandom().randrange(2**32)
     print(f"random seed: {seed}")  # shown by pytest when a test fails
     return np.random.default_rng(seed)
-
-
-def brute_force_assignment(weights, count):
-    """The rule written out sample by sample in exact fractions: the source with the largest
-    `w * (i + 1) - realized` (the first on a tie; Megatron's helpers.cpp uses max(i, 1), which can
-    drift past one sample). A weight is the decimal the config writes."""
-    exact = [Fraction(repr(float(w))) for w in weights]
-    share = [w / sum(exact) for w in exact]
-    realized = [0] * len(share)
-    sources, ranks = [], []
-    for i in range(count):
-        lags = [w * (i + 1) - n for w, n in zip(share, realized)]
-        j = lags.index(max(lags))
-        sources.append(j)
-        ranks.append(realized[j])
-        realized[j] += 1
-    return np.array(sources), np.array(ranks)
 
 
 def decimal_weights(rng):
@@ -243,3 +228,51 @@ def test_blend_config_trains_on_raw_files(tmp_path, rng):
         for row, j in zip(batch["inputs"], batch["source_ids"]):
             text = bytes(int(t) for t in row if t < 256).decode()
             assert all(w in words[j] for w in text.split() if w.isalpha()), (text, words[j])
+
+
+def test_blend_of_chat_text_and_prompt_completion_stores_packs_like_the_reference(tmp_path, rng):
+    """Stores of three formats written by prepare, blended: every row (its loss mask above all:
+    a chat source trains only the assistant turns' targets) is its source's reference window."""
+    from jaxtrain.data.store.prepare import prepare
+    from jaxtrain.data.store.readers import open_source
+    from store_helpers import make_chat_tokenizer, source_documents, source_masks
+    from test_data import WORDS, random_documents, write_txt
+    from test_prepare import random_conversations, write_records
+
+    tokenizer = make_chat_tokenizer(tmp_path / "tok", [" ".join(WORDS)] * 4)
+    chat = write_records(tmp_path / "chat.jsonl", [{"messages": m} for m in random_conversations(rng, 12)])
+    text = write_txt(tmp_path / "text.txt", random_documents(rng, 15, max_words=12))
+    pairs = random_documents(rng, 16, max_words=6)
+    completion = write_records(tmp_path / "pc.jsonl", [{"prompt": pairs[i], "completion": pairs[i + 1]}
+                                                       for i in range(0, 16, 2)])
+    stores = [prepare([chat], tokenizer, tmp_path / "chat", workers=1, data_format="chat").out,
+              prepare([text], tokenizer, tmp_path / "text", workers=1).out,
+              prepare([completion], tokenizer, tmp_path / "pc", workers=1, data_format="prompt_completion").out]
+    sources = []
+    for store in stores:
+        source = open_source(store)
+        sources.append((source_documents(source), source_masks(source) if source.has_loss_mask else None,
+                        source.pad_id))
+    assert [masks is not None for _, masks, _ in sources] == [True, False, True]
+
+    weights, seq_len, global_batch, steps, seed = (0.5, 0.3, 0.2), 12, 8, 6, int(rng.integers(0, 1000))
+    blend = tuple(x for pair in zip(weights, map(str, stores)) for x in pair)
+    cfg = data.DataConfig(blend=blend, eval_files=(str(stores[1]),), tokenizer=tokenizer)
+    iterator = data.make_train_iterator(cfg, seq_len=seq_len, global_batch=global_batch, seed=seed)
+    want = reference_blend_rows(sources, weights, seq_len, seed, steps * global_batch)
+    for step in range(steps):
+        batch = next(iterator)
+        for r in range(global_batch):
+            expected = want[step * global_batch + r]
+            for name in FIELDS:
+                np.testing.assert_array_equal(batch[name][r], np.asarray(expected[name]), err_msg=f"{step} {r} {name}")
+    # The masks matter here: rows of the masked sources hold untrained targets inside a document.
+    untrained = [any(untrained_within_documents(w) for w in want if w["source_ids"] == j) for j in range(3)]
+    assert untrained == [True, False, True]
+
+
+def untrained_within_documents(row) -> bool:
+    """Whether a target whose input and next input share a document is not trained."""
+    segments, trained = np.asarray(row["segment_ids"]), np.asarray(row["loss_mask"])
+    same = (segments[:-1] > 0) & (segments[1:] == segments[:-1])
+    return bool(np.any(same & (trained[:-1] == 0)))

@@ -103,15 +103,8 @@ class BlendBatchAtStep:
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         sources, windows = self.rows(step)
-        width = self.windows[0].seq_len + 1
-        tokens = np.empty((len(sources), width), np.int32)
-        doc = np.empty((len(sources), width), np.int64)
-        target_ok = np.ones((len(sources), width - 1), bool)
-        for r, (j, w) in enumerate(zip(sources.tolist(), windows.tolist())):
-            tokens[r], doc[r], mask = self.windows[j].read(w)
-            if mask is not None:
-                target_ok[r] = mask[1:] > 0
-        return {**pack_rows(tokens, doc, target_ok), "source_ids": sources.astype(np.int32)}
+        parts = [self.windows[j].row(w) for j, w in zip(sources.tolist(), windows.tolist())]
+        return {**pack_rows(parts, self.windows[0].seq_len), "source_ids": sources.astype(np.int32)}
 
 
 def iterate_steps(batch_at_step) -> grain.DatasetIterator:

@@ -40,9 +40,22 @@ class WindowIndex:
         self.total_tokens = int(self.starts[-1])
         self.count = max(1, -(-(self.total_tokens - 1) // seq_len))
 
-    def read(self, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """Window `window`'s `seq_len + 1` tokens, which slot of the order each belongs to (-1:
-        padding), and the source's loss mask of each (None when the source has none)."""
+    def row(self, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One example's parts, which `pack_rows` turns into its fields: window `window`'s
+        `seq_len + 1` tokens, which slot of the order each belongs to (-1: padding), and whether
+        the source's own mask trains each of its `seq_len` targets (all True for a source without
+        a mask). A negative `window` is all padding. The one place a source's mask meets a window,
+        whether the window is read alone or in a blend."""
+        if window < 0:
+            return (np.full(self.seq_len + 1, self.pad_id, np.int32), np.full(self.seq_len + 1, -1, np.int64),
+                    np.ones(self.seq_len, bool))
+        tokens, slots, mask = self._read(window)
+        # Example position i trains target token i + 1: the target's mask, not the input's.
+        return tokens, slots, np.ones(self.seq_len, bool) if mask is None else mask[1:] > 0
+
+    def _read(self, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Window `window`'s tokens, their slots, and the source's loss mask of each (None when
+        the source has none)."""
         width = self.seq_len + 1
         tokens = np.full(width, self.pad_id, np.int32)
         slots = np.full(width, -1, np.int64)
@@ -66,22 +79,17 @@ class WindowIndex:
 
     def examples(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         """One example per entry of `rows` (window indices); a negative index is an all-padding row."""
-        rows = np.asarray(rows, np.int64)
-        width = self.seq_len + 1
-        tokens = np.full((len(rows), width), self.pad_id, np.int32)
-        doc = np.full((len(rows), width), -1, np.int64)
-        target_ok = np.ones((len(rows), self.seq_len), bool)
-        for i, window in enumerate(rows):
-            if window >= 0:
-                tokens[i], doc[i], mask = self.read(int(window))
-                if mask is not None:
-                    target_ok[i] = mask[1:] > 0
-        return pack_rows(tokens, doc, target_ok)
+        return pack_rows([self.row(int(window)) for window in np.asarray(rows, np.int64)], self.seq_len)
 
 
-def pack_rows(tokens: np.ndarray, doc: np.ndarray, target_ok: np.ndarray) -> dict[str, np.ndarray]:
-    """Examples from windows [rows, L + 1] of tokens and their document slots (-1 padding);
-    `target_ok` [rows, L] multiplies the loss mask of each target."""
+def pack_rows(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]], seq_len: int) -> dict[str, np.ndarray]:
+    """Examples from `WindowIndex.row` parts, one per row: tokens and document slots [L + 1]
+    (-1 padding), and `target_ok` [L], which multiplies the loss mask of each target."""
+    if rows:
+        tokens, doc, target_ok = (np.stack(parts) for parts in zip(*rows))
+    else:
+        tokens, doc = np.zeros((0, seq_len + 1), np.int32), np.zeros((0, seq_len + 1), np.int64)
+        target_ok = np.ones((0, seq_len), bool)
     length = tokens.shape[1] - 1
     doc_in, doc_out = doc[:, :-1], doc[:, 1:]
     real = doc_in >= 0
