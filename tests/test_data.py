@@ -429,6 +429,16 @@ def test_empty_corpus(tmp_path):
         )
 
 
+def test_empty_file_lists_name_their_field():
+    """An empty eval_files turns evaluation off in a run (tests/test_no_eval.py), so only an
+    explicit request for eval batches refuses it; training needs files."""
+    with pytest.raises(ValueError, match=r"^DataConfig\.eval_files is empty: there is nothing to evaluate"):
+        data.make_eval_batches(data.DataConfig(eval_files=[]), seq_len=8, batch_size=2, max_batches=1)
+    with pytest.raises(ValueError, match=r"^DataConfig\.train_files is empty: name a corpus file"):
+        data.make_train_iterator(data.DataConfig(train_files=[]), seq_len=8, global_batch=2, seed=0)
+    data.check_sources_fit(data.DataConfig(eval_files=[]), 259)  # nothing to check for eval
+
+
 def test_malformed_jsonl(tmp_path):
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"text": "ok"}\n\n{"text": oops}\n', encoding="utf-8")

@@ -29,7 +29,7 @@ class DataConfig:
     # Entries: raw .txt/.jsonl files or save_to_disk folders (one corpus, tokenized at start), token
     # store folders (python -m jaxtrain.data prepare) or Megatron-LM prefixes (prefix.bin + .idx).
     train_files: tuple[str, ...] = ("data/tiny_corpus/train.txt",)
-    eval_files: tuple[str, ...] = ("data/tiny_corpus/valid.txt",)
+    eval_files: tuple[str, ...] = ("data/tiny_corpus/valid.txt",)  # (): no evaluation during training
     tokenizer: str = "bytes"  # "bytes" or a local Hugging Face tokenizer directory
     text_field: str = "text"  # the document field of .jsonl lines and datasets columns
     shuffle: bool = True  # shuffle document order once and window order every epoch
@@ -83,6 +83,9 @@ def train_sources(cfg: DataConfig) -> list[tuple[float, object]]:
     if cfg.blend:
         return [(weight, corpus_source([path], cfg.tokenizer, cfg.text_field))
                 for weight, path in parse_blend(cfg.blend)]
+    if not cfg.train_files:
+        raise ValueError("DataConfig.train_files is empty: name a corpus file, token store or Megatron prefix to "
+                         "train on (or set DataConfig.blend)")
     return [(1.0, corpus_source(cfg.train_files, cfg.tokenizer, cfg.text_field))]
 
 
@@ -92,7 +95,8 @@ def check_sources_fit(cfg: DataConfig, vocab_size: int) -> None:
     from jaxtrain.data.store.training_sources import check_fits_vocabulary, corpus_source
 
     sources = [source for _, source in train_sources(cfg)]
-    sources.append(corpus_source(cfg.eval_files, cfg.tokenizer, cfg.text_field))
+    if cfg.eval_files:  # (none: the run does not evaluate)
+        sources.append(corpus_source(cfg.eval_files, cfg.tokenizer, cfg.text_field))
     check_fits_vocabulary(sources, vocab_size)
 
 
@@ -166,6 +170,9 @@ def make_eval_batches(
     """
     from jaxtrain.data.store.training_sources import corpus_source
 
+    if not cfg.eval_files:
+        raise ValueError("DataConfig.eval_files is empty: there is nothing to evaluate (a training run with no "
+                         "eval_files skips evaluation instead)")
     _local_batch(batch_size, process_index, process_count)
     if max_batches is not None and max_batches < 1:
         raise ValueError(f"max_batches must be positive or None, got {max_batches}")

@@ -94,7 +94,7 @@ class ResilienceConfig:
 @dataclasses.dataclass(frozen=True)
 class ObserveConfig:
     log_every: int = 10
-    eval_every: int = 100  # 0 disables periodic eval (a final eval still runs)
+    eval_every: int = 100  # 0 disables periodic eval (a final eval still runs); DataConfig.eval_files=[]: no eval
     eval_batches: int = 4
     # Greedy samples of sample_prompts every sample_every steps (0: none), sample_tokens new tokens
     # each, to metrics.jsonl (kind "sample") and TensorBoard's text tab (jaxtrain/generate/).

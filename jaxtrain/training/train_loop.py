@@ -65,6 +65,8 @@ class TrainLoop:
                   f"{setup.rules.name}, steps {self.step}->{self.end}", flush=True)
             if setup.summary:
                 print(f"jaxtrain: {setup.summary}", flush=True)
+            if self.parts.evaluate is None:
+                print("jaxtrain: no evaluation (DataConfig.eval_files is empty)", flush=True)
             blend = self.parts.blend
             if blend:  # what the metrics' source_tokens_<j> count
                 sources = enumerate(zip(blend[0::2], blend[1::2]))
@@ -125,7 +127,7 @@ class TrainLoop:
             if checkpoint_due or stop:  # a save must know its step was finite
                 self._settle(*pending)
                 pending = None
-            if _every(self.observe.eval_every, self.step) and self.step != self.end:
+            if self.parts.evaluate is not None and _every(self.observe.eval_every, self.step) and self.step != self.end:
                 with self.watchdog.phase("eval", f"the eval at step {self.step}"):
                     self.writer.write(self.step, self.parts.evaluate(self.state.params), kind="eval")
             if _every(self.observe.sample_every, self.step):
@@ -153,7 +155,7 @@ class TrainLoop:
     def _finish(self) -> None:
         if self.saved_step != self.step and self.step > 0:
             self._save(wait=True)
-        if self.stopped_by is None and self.step == self.t.steps:
+        if self.parts.evaluate is not None and self.stopped_by is None and self.step == self.t.steps:
             with self.watchdog.phase("eval", f"the final eval at step {self.step}"):
                 self.writer.write(self.step, self.parts.evaluate(self.state.params), kind="eval")
 

@@ -22,7 +22,7 @@ class LoopParts:
     train_iter: Any  # this process's data iterator (checkpointed with the state)
     data_shards: int  # processes reading distinct rows (per-source token counts sum each once)
     blend: tuple  # DataConfig.blend: (weight, path, ...), () without one
-    evaluate: Callable  # params -> eval metrics
+    evaluate: Callable | None  # params -> eval metrics; None: no evaluation (DataConfig.eval_files empty)
     restore_or_init: Callable  # checkpointer -> (TrainState, resume info)
     leaf_paths: list  # parameter leaf paths, in tree order (names a non-finite gradient)
     flops_per_token: float

@@ -88,9 +88,11 @@ class Trainer:
                                               seed=t.seed, process_index=shard, process_count=shards)
         self.fresh_data_state = self.train_iter.get_state()
         self.data_shards = shards  # (per-source token counts sum each shard's rows once)
-        self.eval_data = make_eval_batches(exp.data, seq_len=t.seq_len, batch_size=t.global_batch,
-                                           max_batches=exp.observe.eval_batches, process_index=shard,
-                                           process_count=shards)
+        self.eval_data = None  # empty DataConfig.eval_files: the run does not evaluate
+        if exp.data.eval_files:
+            self.eval_data = make_eval_batches(exp.data, seq_len=t.seq_len, batch_size=t.global_batch,
+                                               max_batches=exp.observe.eval_batches, process_index=shard,
+                                               process_count=shards)
         self.state_layout = setup.state  # canonical, or pipeline stages (converted at save/restore)
         self.shardings = setup.state.shardings
         self.pipeline_summary = setup.summary
@@ -148,6 +150,8 @@ class Trainer:
                 if fields else "")
 
     def evaluate(self, params) -> dict:
+        if self.eval_data is None:
+            raise ValueError("DataConfig.eval_files is empty: this run has no eval data to evaluate on")
         totals = {"nll": 0.0, "tokens": 0.0, "correct": 0.0}
         for local in self.eval_data:
             out = jax.device_get(self.setup.eval_step(params, self.setup.batch_from_process_rows(local)))
@@ -164,8 +168,8 @@ class Trainer:
         return LoopParts(
             setup=self.setup, train=t, checkpoint=exp.checkpoint, resilience=exp.resilience, observe=exp.observe,
             workdir=self.workdir, train_iter=self.train_iter, data_shards=self.data_shards,
-            blend=tuple(exp.data.blend or ()),
-            evaluate=self.evaluate, restore_or_init=self.restore_or_init, leaf_paths=self.leaf_paths,
+            blend=tuple(exp.data.blend or ()), evaluate=self.evaluate if self.eval_data is not None else None,
+            restore_or_init=self.restore_or_init, leaf_paths=self.leaf_paths,
             flops_per_token=exp.model.flops_per_token(t.seq_len),
             peak_flops=peak_flops(jax.devices()[0].device_kind, exp.observe.peak_flops_per_device),
             make_sampler=lambda: self.sampler)
