@@ -2,6 +2,7 @@
 model's loss -> checkpoint -> HF again."""
 from __future__ import annotations
 
+import logging
 import shutil
 
 import gin
@@ -91,6 +92,17 @@ def test_converted_checkpoint_is_fingerprinted_and_verified_on_restore(converted
         writer.save(tmp_path / "checkpoints" / "0" / "params", params)
     with pytest.raises(CorruptCheckpoint, match=r"1 array\(s\) differ .*first params/final_norm/scale$"):
         restore_step_0(tmp_path / "checkpoints", abstract)
+
+
+def test_restoring_a_converted_checkpoint_logs_no_warning(converted, caplog):
+    """The restore generate and eval run on a converted workdir: Orbax finds every metadata file
+    it reads (it logs a missing one as a WARNING on the `absl` logger)."""
+    _, _, workdir = converted
+    abstract = converted_abstract_params(workdir)
+    with caplog.at_level(logging.WARNING):
+        restored = restore_step_0(workdir / "checkpoints", abstract)
+    assert jax.tree.structure(restored["params"]) == jax.tree.structure(abstract)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 def test_fingerprints_missing_from_the_committed_metadata_are_put_in_after_the_save(converted, tmp_path):

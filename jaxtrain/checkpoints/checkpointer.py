@@ -43,10 +43,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxtrain.checkpoints.compatibility import carried_over_line, fit_item
+from jaxtrain.checkpoints.compatibility import carried_over_line, fit_item, saved_item
 from jaxtrain.checkpoints.errors import (CheckpointError, CheckpointSaveError, CorruptCheckpoint,  # noqa: F401
                                          IncompatibleCheckpoint, UnverifiedCheckpoint)
-from jaxtrain.checkpoints.fingerprint import leaf_path, tree_fingerprints
+from jaxtrain.checkpoints.fingerprint import tree_fingerprints
 
 STATE_ITEMS = ("params", "opt_state")
 ALL_ITEMS = STATE_ITEMS + ("data",)
@@ -120,12 +120,8 @@ class Checkpointer:
 
     def saved_shapes(self, step: int, item: str = "params") -> dict[str, tuple]:
         """{leaf path: shape} of an item as saved (read from its metadata, no arrays)."""
-        with _quiet_absl():
-            meta = ocp.StandardCheckpointer().metadata(os.path.join(self.directory, str(step), item))
-        tree = getattr(meta, "item_metadata", meta)
-        tree = getattr(tree, "tree", tree)
-        return {leaf_path(p): tuple(m.shape) for p, m in jax.tree_util.tree_leaves_with_path(tree)
-                if hasattr(m, "shape")}
+        _, leaves = saved_item(os.path.join(self.directory, str(step)), item)
+        return {path: shape for path, (shape, _) in leaves.items()}
 
     # -- saving -------------------------------------------------------------------------------
     def save(self, step: int, state: dict, data_iterator=None, *, extra: dict | None = None) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 
 import jax
 import numpy as np
@@ -30,14 +31,15 @@ Leaves = dict  # {leaf path: (shape tuple, dtype name)}
 
 
 def saved_item(step_dir: str, item: str):
-    """(Orbax's metadata tree of `item`, its Leaves), read without any array."""
-    checkpointer = ocp.StandardCheckpointer()
+    """(Orbax's metadata tree of `item`, its Leaves), read without any array. Asked of the item's
+    handler: a Checkpointer would also look for step metadata in the item's folder, where a
+    CheckpointManager never writes it (the step's is one level up), and log its absence."""
+    handler = ocp.StandardCheckpointHandler()
     try:
-        meta = checkpointer.metadata(os.path.join(step_dir, item))
+        meta = handler.metadata(pathlib.Path(step_dir) / item)  # a path object: it joins with /
     finally:
-        checkpointer.close()
-    tree = getattr(meta, "item_metadata", meta)
-    tree = getattr(tree, "tree", tree)
+        handler.close()
+    tree = getattr(meta, "tree", meta)
     leaves = {leaf_path(p): (tuple(m.shape), np.dtype(m.dtype).name)
               for p, m in jax.tree_util.tree_leaves_with_path(tree) if hasattr(m, "shape")}
     return tree, leaves
@@ -138,7 +140,7 @@ def fit_item(step: int, step_dir: str, item: str, abstract) -> ItemFit:
     metadata file's error through, or raises ValueError (the caller calls that corrupt)."""
     tree, saved = saved_item(step_dir, item)
     now = abstract_leaves(abstract)
-    if not saved and now:  # Orbax logs unreadable array metadata and returns none: a damaged step
+    if not saved and now:  # metadata that parses but names no array: a damaged step
         raise ValueError(f"no readable array metadata in {os.path.join(step_dir, item)}")
     if saved == now and item != "opt_state":
         return ItemFit(abstract)  # plain dicts of arrays: the same leaves are the same tree
