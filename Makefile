@@ -38,9 +38,10 @@ test-extended: $(VENV)/.stamp
 test-e2e: $(VENV)/.stamp
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope -m "end_to_end" $(ARGS)
 
-# The quick unit-level modules (tests/conftest.py FAST_MODULES), for the edit-test loop: < 3 min.
+# The quick unit-level tests, for the edit-test loop (< 3 min): the modules that declare the fast
+# lane, less their tests marked slow (a model-size compile or a whole run) or end_to_end (tests/conftest.py).
 test-fast: $(VENV)/.stamp
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope -m "fast" $(ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope -m "fast and not slow and not end_to_end" $(ARGS)
 
 # The 16-device reference layout end to end (27- and 52-layer models, 20 steps, resumes): ~7 min
 # on two cores, so it is its own target; CI runs it after the suite.

@@ -21,7 +21,9 @@ jax.config.update("jax_threefry_partitionable", True)
 # Every test module declares its lanes itself, at its top, e.g. `pytestmark = [pytest.mark.fast]`:
 # exactly one of LANES, plus any of MARKERS that hold for the whole module (a single test takes
 # one as a decorator, `@pytest.mark.end_to_end`). A module that declares no lane is a collection
-# error, so a new module never lands silently in the wrong lane.
+# error, so a new module never lands silently in the wrong lane. In a fast module, a test that
+# compiles a model-size step or starts processes leaves the edit-test lane with its own
+# `@pytest.mark.slow` (or `end_to_end`): `make test-fast` selects "fast and not slow and not end_to_end".
 LANES = {
     "fast": "checks one piece on tiny inputs, seconds per test (make test-fast, the edit-test loop)",
     "slow": "anything else: whole runs, CLIs, model-size compiles",

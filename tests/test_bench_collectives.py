@@ -136,6 +136,7 @@ def test_cli_across_two_processes(tmp_path):
     assert "2 process(es)" in outs[0][0] and "all_reduce" not in outs[1][0]  # only process 0 prints
 
 
+@pytest.mark.slow  # starts the CLI's process per case: out of the edit-test lane
 @pytest.mark.parametrize("args, message", [
     (["--mesh", "data=4,tensr=2"], "expected axis=size pairs"),
     (["--mesh", "data=4", "--axes", "tensor"], "tensor has size 1"),

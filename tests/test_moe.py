@@ -150,6 +150,7 @@ def test_correction_bias_balances_a_skewed_router():
     assert np.mean(imbalance[-20:]) < imbalance[0] / 2, (imbalance[0], imbalance[-20:])
 
 
+@pytest.mark.slow  # a model-size compile or a whole run: out of the edit-test lane
 def test_tiled_dispatch_over_tensor_and_expert_equals_one_device_values_and_gradients(monkeypatch):
     """The CPU tile loop (forced here at any size) on the 4-axis layout of issue 26.5
     (data=2,tensor=2,context=2,expert=2, fsdp+expert_tp): each expert device receives a padded

@@ -57,6 +57,7 @@ def test_adamw_decays_frozen_and_no_decay_leaves_as_declared():
     assert jax.tree.structure(plain.init(params)) == jax.tree.structure(tx.init(params))
 
 
+@pytest.mark.slow  # a model-size compile or a whole run: out of the edit-test lane
 @pytest.mark.parametrize("family", ["mamba2", "nemotron_h"])
 def test_adamw_leaves_ssm_dynamics_undecayed(family):
     """One AdamW step with zero gradients on a real Mamba-2 / Nemotron-H parameter tree: the only

@@ -53,6 +53,7 @@ def _planner(model, devices=16, device="H100", **workload):
 
 # ---- state bytes: the planner's abstract arithmetic against the run's real shardings ----------
 
+@pytest.mark.slow  # a model-size compile or a whole run: out of the edit-test lane
 @pytest.mark.parametrize("family,spec", [
     ("llama", "data=16,rules=dp"),
     ("llama", "data=4,tensor=4,rules=fsdp"),
@@ -174,6 +175,7 @@ def test_devices_that_do_not_add_up_are_refused(tmp_path):
 
 # ---- planning -------------------------------------------------------------------------------
 
+@pytest.mark.slow  # a model-size compile or a whole run: out of the edit-test lane
 def test_a_model_that_fits_no_layout_is_told_how_far_it_is():
     from models.llama import LlamaConfig
     # ~31 B parameters: float32 parameters and their gradients alone are ~124 GB per A100 of two
@@ -191,6 +193,7 @@ def test_a_model_that_fits_no_layout_is_told_how_far_it_is():
     assert f"({best.claimed_bytes / planner.budget:.2f}x)" in text and best.claimed_bytes > planner.budget
 
 
+@pytest.mark.slow  # a model-size compile or a whole run: out of the edit-test lane
 def test_ranked_layouts_fit_and_are_fastest_first(models):
     planner = _planner(models["deepseek"])
     ranked = planner.rank(candidates(16, devices_per_node=8, layers=planner.layers, seq_len=32, global_batch=16,
@@ -205,6 +208,7 @@ def test_ranked_layouts_fit_and_are_fastest_first(models):
     assert any("heads" in reason or "divisible" in reason for reason in planner.refused)
 
 
+@pytest.mark.slow  # a model-size compile or a whole run: out of the edit-test lane
 def test_cli_prints_the_table_and_the_gin_bindings(tmp_path, capsys):
     out_json = tmp_path / "ranked.jsonl"
     assert plan_cli.main(["--gin_file=configs/default.gin", "--device", "H100", "--devices", "8", "--top", "4",
@@ -220,6 +224,7 @@ def test_cli_prints_the_table_and_the_gin_bindings(tmp_path, capsys):
     assert [r["step_s"] for r in records if r["fits"]] == sorted(r["step_s"] for r in records if r["fits"])
 
 
+@pytest.mark.slow  # a model-size compile or a whole run: out of the edit-test lane
 def test_cli_on_a_mixed_cluster_balances_the_shares(tmp_path, capsys):
     path = tmp_path / "mixed.json"
     path.write_text(json.dumps({"groups": [{"name": "fast", "kind": "H100", "devices": 8},
@@ -243,6 +248,7 @@ def test_cli_bad_cluster_is_one_line_and_exit_2(tmp_path, capsys):
     assert err.startswith("error: cluster description") and "not valid JSON" in err and "\n" not in err
 
 
+@pytest.mark.slow  # a model-size compile or a whole run: out of the edit-test lane
 def test_shares_follow_a_calibration_run_over_the_time_model(tmp_path):
     """Measured step times (`bench step --json` rows, one per device kind) decide the shares."""
     from jaxtrain.planner.mixed import plan_groups
@@ -284,6 +290,7 @@ def test_the_collectives_bench_output_is_read_as_link_figures(tmp_path):
     assert links.source == str(path)
 
 
+@pytest.mark.slow  # a model-size compile or a whole run: out of the edit-test lane
 @pytest.mark.parametrize("capacity_factor", [None, 1.5])
 def test_expert_exchange_rows_are_what_the_traced_step_receives(models, capacity_factor):
     """The planner's receive-buffer rows of a MoE layer against the all-to-all the step really

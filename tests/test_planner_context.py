@@ -25,7 +25,7 @@ from jaxtrain.training.train_setup import build_train_setup
 from meshes.context_settings import LatentKV, RingKV
 from models.deepseek import DeepSeekConfig
 
-pytestmark = [pytest.mark.fast]
+pytestmark = [pytest.mark.slow]
 
 HEADS, NOPE, ROPE, V, KV_LORA = 4, 8, 4, 6, 16
 MODEL = DeepSeekConfig(vocab_size=96, embed=32, layers=2, first_k_dense=2, heads=HEADS, kv_lora_rank=KV_LORA,

@@ -161,6 +161,7 @@ def check_z_loss(metrics, model_cfg, params, batch):
     np.testing.assert_allclose(metrics["z_loss"], z, rtol=2e-5)
 
 
+@pytest.mark.slow  # a model-size compile or a whole run: out of the edit-test lane
 def test_gin_loss_bindings_reach_the_trainers_loss(tmp_path):
     """LossConfig.z_loss bound in gin: the Trainer's step reports exactly the independent z-loss term;
     LossConfig.loss_chunk bound in gin: its chunks are what the step cuts the sequence into."""
@@ -179,6 +180,7 @@ def test_gin_loss_bindings_reach_the_trainers_loss(tmp_path):
         first_step_metrics(Trainer(odd, str(tmp_path / "odd"), devices=jax.devices()[:4]).setup, batch)
 
 
+@pytest.mark.slow  # a model-size compile or a whole run: out of the edit-test lane
 @pytest.mark.parametrize("layout,groups", [("pipeline=2,data=2,microbatches=2", None),
                                            ("data=2,microbatches=2", (8, 8))], ids=["pipeline", "device-groups"])
 def test_loss_config_reaches_every_gradient_strategy(layout, groups):

@@ -119,11 +119,13 @@ def pipelined_and_reference():
     return pipelined, reference
 
 
+@pytest.mark.slow  # a multi-axis step compile: out of the edit-test lane
 def test_a_pipelined_step_takes_one_psum_per_norm(pipelined_and_reference):
     (_, hlo, leaves), _ = pipelined_and_reference
     assert _vector_all_reduces(hlo, leaves) == 2, leaves  # the gradient norm and the parameter norm
 
 
+@pytest.mark.slow  # a multi-axis step compile: out of the edit-test lane
 def test_a_pipelined_steps_norms_equal_the_unpipelined_models(pipelined_and_reference):
     (metrics, _, _), (ref, _, _) = pipelined_and_reference
     assert_finite((metrics, ref), "metrics")
@@ -134,6 +136,7 @@ def test_a_pipelined_steps_norms_equal_the_unpipelined_models(pipelined_and_refe
 
 # ---- the update of a run over device groups ----
 
+@pytest.mark.slow  # a multi-axis step compile: out of the edit-test lane
 def test_a_grouped_steps_update_takes_one_psum_per_norm():
     """Two groups of 4 devices (12 and 4 rows, FSDP x tensor within each): the program that sums
     the groups' gradients and updates reduces each norm with one psum over all 8 devices, and

@@ -113,6 +113,7 @@ def four_axis_update():
     return state, grads, out
 
 
+@pytest.mark.slow  # a multi-axis step compile: out of the edit-test lane
 def test_update_norms_take_one_all_reduce_each(four_axis_update):
     _, _, out = four_axis_update
     ours, per_leaf = _all_reduces(out["one_psum"][0]), _all_reduces(out["per_leaf"][0])
@@ -124,6 +125,7 @@ def test_update_norms_take_one_all_reduce_each(four_axis_update):
     print(f"update all-reduces by dtype: one psum per norm {ours}, per leaf group {per_leaf}")
 
 
+@pytest.mark.slow  # a multi-axis step compile: out of the edit-test lane
 def test_update_norms_and_state_equal_float64_and_the_per_leaf_program(four_axis_update):
     state, grads, out = four_axis_update
     (new, metrics), (ref_new, ref_metrics) = out["one_psum"][1], out["per_leaf"][1]
