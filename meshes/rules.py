@@ -113,6 +113,9 @@ LOGICAL_NAMES: dict[str, LogicalName] = {
     "ssm_groups": _n("Mamba-2 B/C groups, split with their heads", Indivisible.REPLICATE_SINGLE),
     "ssm_state": _n("Mamba-2 state size (kept whole)"),
     "conv_kernel": _n("taps of the Mamba-2 short causal conv (kept whole)"),
+    # Adapters (models/lora.py) take the rest of their names from the weight they adapt, so they
+    # split like it; the rank between their two factors is small and no table maps it.
+    "lora_rank": _n("the rank of a low-rank adapter's two factors (kept whole)"),
 }
 
 

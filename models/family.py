@@ -11,6 +11,8 @@ A family is one file in models/ holding its config dataclass (and its blocks), d
                  by name: models/ does not import jaxtrain; jaxtrain/hf/registry.py is a view
                  over these records
   runtime_knobs  which of `remat`, `attention`, `kernels` the config has (below)
+  adapter_targets  the projections adapters may target (models/lora.py): {name users write in
+                 LoraConfig.targets: module path pattern in the built model}; a family adds rows
 
 `families()` finds every family by importing the modules of models/, so adding a family touches
 no central list.
@@ -109,6 +111,9 @@ class FamilySpec:
     summary: str
     parts: tuple[type, ...] = ()  # other configurables its gin files name (RouterConfig, SSMConfig)
     hf_adapter: str | None = None  # module defining FAMILY (jaxtrain.hf.mapping.Family), or None
+    # ((target name, module path pattern), ...): models/lora.py matches each pattern's "/"-separated
+    # parts against the end of a Dense module's path ("*" matches any one part)
+    adapter_targets: tuple[tuple[str, str], ...] = ()
 
     @property
     def runtime_knobs(self) -> tuple[str, ...]:
@@ -128,7 +133,8 @@ class FamilySpec:
 _FAMILIES: dict[str, FamilySpec] = {}
 
 
-def model_family(name: str, summary: str, parts: tuple[type, ...] = (), hf_adapter: str | None = None):
+def model_family(name: str, summary: str, parts: tuple[type, ...] = (), hf_adapter: str | None = None,
+                 adapter_targets: Mapping[str, str] | None = None):
     """Class decorator for a model config: checks it provides the ModelConfig methods (with
     param_count's common signature) and a `remat` field, registers it and its `parts` with gin
     (module `models`) and records the family. Returns the class itself, so it stays a plain
@@ -149,7 +155,8 @@ def model_family(name: str, summary: str, parts: tuple[type, ...] = (), hf_adapt
             raise TypeError(f"two model families are named {name!r}")
         for configurable in (cls, *parts):
             _register_with_gin(configurable)
-        _FAMILIES[name] = FamilySpec(name, cls, summary, tuple(parts), hf_adapter)
+        _FAMILIES[name] = FamilySpec(name, cls, summary, tuple(parts), hf_adapter,
+                                     tuple((adapter_targets or {}).items()))
         return cls
     return register
 

@@ -19,7 +19,9 @@ from models.layers.stack import LayerStack
 
 
 @model_family("llama", "pre-norm grouped-query attention + SwiGLU, RoPE",
-              parts=(*SCALINGS, *ATTENTION_STRATEGIES), hf_adapter="jaxtrain.hf.families.llama")
+              parts=(*SCALINGS, *ATTENTION_STRATEGIES), hf_adapter="jaxtrain.hf.families.llama",
+              adapter_targets={"q": "attn/q", "k": "attn/k", "v": "attn/v", "o": "attn/o",
+                               "gate": "mlp/gate", "up": "mlp/up", "down": "mlp/down"})
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig(FamilyConfig):
     vocab_size: int = 512

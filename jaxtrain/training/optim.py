@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxtrain.training.state import map_with_path
+from jaxtrain.training.trained_params import only_trained, trained_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,7 @@ def _role_mask(roles: dict, wanted: tuple[str, ...]):
 
 def make_optimizer(cfg: OptimizerConfig, total_steps: int, roles: dict | None = None
                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """`roles`: {parameter path: "decay" | "no_decay" | "frozen"}; None treats every parameter
+    """`roles`: {parameter path: "decay" | "no_decay" | "frozen" | "untrained"}; None treats every parameter
     as "decay" (the optimizer state's structure does not depend on it)."""
     roles = roles or {}
     schedule = make_schedule(cfg, total_steps)
@@ -63,7 +64,8 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int, roles: dict | None = 
                         weight_decay=cfg.weight_decay, mask=_role_mask(roles, ("decay",)))
     frozen = optax.masked(optax.set_to_zero(), _role_mask(roles, ("frozen",)))
     clip = [clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm else []
-    return optax.chain(*clip, adamw, frozen), schedule
+    # parameters declared "untrained" get no optimizer state at all (jaxtrain/training/trained_params.py)
+    return only_trained(optax.chain(*clip, adamw, frozen), trained_params(roles)), schedule
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.microbatching import ROW, split_microbatches, training_loss
 from jaxtrain.training.guarded_update import guarded_step
+from jaxtrain.training.trained_params import AllParams
 from meshes.context_layout import ContextParallel, to_device_order, use_context_parallel
 from meshes.leaf_sums import leaf_sums, squares
 from meshes.rules import RuleSet, named_sharding, use_rules
@@ -42,11 +43,12 @@ class AccumulatedGradients:
     with the same interface, is jaxtrain/pipeline/gradients.py."""
 
     def __init__(self, graphdef, *, microbatches: int, loss_chunk: int, z_loss: float,
-                 step_microbatches: int | None = None):
+                 step_microbatches: int | None = None, trained=AllParams()):
         """`step_microbatches`: the microbatches of the whole optimizer step when this strategy
         runs only some of them (one device group's share: jaxtrain/training/group_step.py); the
-        aux losses are averaged over all of them. Default: `microbatches`."""
-        self.graphdef, self.microbatches = graphdef, microbatches
+        aux losses are averaged over all of them. Default: `microbatches`. `trained`: which
+        parameters get gradients (jaxtrain/training/trained_params.py); the gradient tree is theirs."""
+        self.graphdef, self.microbatches, self.trained = graphdef, microbatches, trained
         self.step_microbatches = step_microbatches or microbatches
         self.loss_chunk, self.z_loss = loss_chunk, z_loss
 
@@ -54,25 +56,27 @@ class AccumulatedGradients:
         """(nll, z, correct) token sums of the batch without gradients (evaluation)."""
         return _forward_sums(self.graphdef, params, batch, loss_chunk=self.loss_chunk, z_loss=0.0)[0]
 
-    def _loss(self, params, mb, total_tokens):
+    def _loss(self, trained, rest, mb, total_tokens):
+        params = self.trained.merge(rest, trained)
         sums, aux = _forward_sums(self.graphdef, params, mb, loss_chunk=self.loss_chunk, z_loss=self.z_loss)
         return training_loss(sums, aux, total_tokens, self.step_microbatches), (sums, aux)
 
     def __call__(self, params, batch, total_tokens):
         """(grads, (nll, z, correct) sums, aux laid out like params' stacks)."""
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        trained, rest = self.trained.split(params)
         if self.microbatches == 1:
-            (_, (sums, aux)), grads = grad_fn(params, batch, total_tokens)
+            (_, (sums, aux)), grads = grad_fn(trained, rest, batch, total_tokens)
             return grads, sums, aux
 
         # Every statistic is a sum over tokens (or a per-microbatch loss), so they add up.
         def accumulate(carry, mb):
-            (_, out), grads = grad_fn(params, mb, total_tokens)
+            (_, out), grads = grad_fn(trained, rest, mb, total_tokens)
             return jax.tree.map(jnp.add, carry, (grads, out)), None
 
         microbatched = split_microbatches(batch, self.microbatches)
         (_, out_shape), grads_shape = jax.eval_shape(
-            grad_fn, params, jax.tree.map(lambda x: x[0], microbatched), total_tokens)
+            grad_fn, trained, rest, jax.tree.map(lambda x: x[0], microbatched), total_tokens)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grads_shape, out_shape))
         (grads, (sums, aux)), _ = jax.lax.scan(accumulate, zeros, microbatched)
         return grads, sums, aux
@@ -104,7 +108,7 @@ def gradient_layouts(params_shardings, opt_state_shardings):
 
 
 def make_update(graphdef, tx, schedule, *, rules: RuleSet, opt_state_shardings, params_shardings=None,
-                grads_shardings=None):
+                grads_shardings=None, trained=AllParams()):
     """The second half of every train step: `update(state, grads, sums, aux, total_tokens,
     aux_metrics) -> (new state, metrics)` applies the optimizer to the whole batch's gradient,
     runs the layers' post-update, keeps the old state if anything is not finite, and computes the
@@ -115,10 +119,12 @@ def make_update(graphdef, tx, schedule, *, rules: RuleSet, opt_state_shardings, 
     norm run as one collective each (meshes/leaf_sums.py) instead of one per leaf group, each over
     its tree's own layouts (gradient_layouts); the optimizer's clip takes the gradient norm from
     here (optim.clip_by_global_norm) rather than reducing it again. `grads_shardings`: the
-    gradients' layouts when not the moments' (default: gradient_layouts)."""
+    gradients' layouts when not the moments' (default: gradient_layouts). `trained`: which
+    parameters the gradients and the optimizer state are for (jaxtrain/training/trained_params.py);
+    the others pass through the step unchanged."""
     tx = optax.with_extra_args_support(tx)
     if grads_shardings is None:
-        grads_shardings = gradient_layouts(params_shardings, opt_state_shardings)
+        grads_shardings = gradient_layouts(trained.select(params_shardings), opt_state_shardings)
     sum_params = lambda local_sum, tree: leaf_sums(local_sum, tree, params_shardings)
     # Optimizer state kept in host memory (rules `+opt_host`) comes to the device for the update;
     # the step's out_shardings write the new state back (XLA moves each leaf as its update needs it).
@@ -130,8 +136,9 @@ def make_update(graphdef, tx, schedule, *, rules: RuleSet, opt_state_shardings, 
 
     def update(state, grads, sums, aux, total_tokens, aux_metrics: dict):
         def apply(params, opt_state, grads):
-            updates, opt_state = tx.update(grads, opt_state, params, global_norm=grad_norm)
-            new_params = optax.apply_updates(params, updates)
+            updated = trained.select(params)
+            updates, opt_state = tx.update(grads, opt_state, updated, global_norm=grad_norm)
+            new_params = trained.merge(params, optax.apply_updates(updated, updates))
             if has_after_update(aux):  # e.g. the MoE routers' correction biases follow the load
                 # aux is laid out like the params (canonical stacks, or pipeline stages: the
                 # update is elementwise per layer either way)
@@ -173,12 +180,13 @@ def make_update(graphdef, tx, schedule, *, rules: RuleSet, opt_state_shardings, 
 
 
 def make_train_step(graphdef, tx, schedule, gradients, *, mesh, rules: RuleSet, state_shardings, batch_sharding,
-                    context_parallel: ContextParallel = ContextParallel()):
+                    context_parallel: ContextParallel = ContextParallel(), trained=AllParams()):
     """`gradients`: how the batch's gradient is computed (AccumulatedGradients, or
     jaxtrain/pipeline/gradients.py PipelinedGradients); `context_parallel`: the sequence layout
-    and K/V exchange over the `context` axis."""
+    and K/V exchange over the `context` axis; `trained`: the parameters `gradients` differentiates
+    (jaxtrain/training/trained_params.py)."""
     update = make_update(graphdef, tx, schedule, rules=rules, opt_state_shardings=state_shardings.opt_state,
-                         params_shardings=state_shardings.params)
+                         params_shardings=state_shardings.params, trained=trained)
 
     def step(state, batch):
         with use_rules(mesh, rules), use_context_parallel(context_parallel):

@@ -11,7 +11,12 @@ from models.layers.params import logical_axes, normal, param, zeros
 
 
 class Dense(nnx.Module):
-    """y[..., out] = x[..., in] @ kernel[in, out] (+ bias[out]); `in`/`out` may span several dims."""
+    """y[..., out] = x[..., in] @ kernel[in, out] (+ bias[out]); `in`/`out` may span several dims.
+
+    `adapter`, when a model transform sets one (models/lora.py), adds its own term to y: the
+    base contraction stays as it is."""
+
+    adapter = None
 
     def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], *,
                  in_axes: Sequence[str | None], out_axes: Sequence[str | None],
@@ -33,4 +38,6 @@ class Dense(nnx.Module):
         y = contract(x, kernel, n_in, self.dtype, names)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
+        if self.adapter is not None:
+            y = y + self.adapter(x, n_in, self.dtype)
         return y

@@ -13,8 +13,10 @@ LOGICAL_AXES = "logical_axes"
 #   "no_decay"  AdamW without weight decay (norm scales, biases)
 #   "frozen"    no gradient update: state the train step sets by its own rule (the MoE router's
 #               correction bias, after_update in models/layers/moe.py)
+#   "untrained" not trained at all: no gradient is computed for it and it has no optimizer state
+#               (the base weights under adapters, models/lora.py)
 OPTIMIZER = "optimizer"
-OPTIMIZER_ROLES = ("decay", "no_decay", "frozen")
+OPTIMIZER_ROLES = ("decay", "no_decay", "frozen", "untrained")
 
 
 def param(rngs: nnx.Rngs, init: Callable, shape: Sequence[int], axes: Sequence[str | None],
