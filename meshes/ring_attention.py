@@ -8,7 +8,11 @@ block's computation so the two can overlap. Memory holds two K/V blocks, never t
 The backward is a second ring (custom VJP): each block travels with its running dK/dV, every
 rank adds its queries' share from the saved global (out, lse), and after C hops the gradient is
 back at its owner; the last hop carries dK/dV only (the keys/values have no one left to visit).
-dQ stays local.
+dQ stays local. All C steps run in one loop, the last hop chosen by a switch on a constant
+per-step array (executed collective counts read it exactly: jaxtrain/observe/hlo_branches.py).
+A last step peeled off the loop puts a kernel call in the layer's own computation, beside the
+forward's (recomputed there under remat): XLA:CPU merges their identical query blocks and
+zero-filled buffers and holds them from the forward through the MLP's backward, the step's peak.
 
 Masks come from token places (meshes/context_layout.py): the block a rank holds at step s
 belongs to rank (r - s) mod C, whose places are known without sending them.
@@ -19,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.flash_attention import NO_KEYS, attention_backward, attention_forward, merge_partials
 
@@ -80,25 +85,28 @@ def _ring_bwd(axis, size, kernel, res, dout):
     q_places = _places(order, rank, length)
     grads = functools.partial(attention_backward, scale=scale, impl=impl, block_q=block_q, block_k=block_k)
 
-    def add(block, s):
-        """This rank's queries' share of the gradients of the block it holds at step s."""
-        kb, vb, sb, dk, dv = block
+    def send_block(block):
+        """Every step but the last: the keys/values go on with their running gradients."""
+        return _hop(block, axis, size)
+
+    def send_gradients(block):
+        """The last step: the keys/values have visited every rank, only their gradients go home."""
+        return block[:3] + _hop(block[3:], axis, size)
+
+    def step(carry, xs):
+        s, send = xs
+        dq, (kb, vb, sb, dk, dv) = carry
         dq_s, dk_s, dv_s = grads(q, kb, vb, segment, sb, q_places, _places(order, jnp.mod(rank - s, size), length),
                                  out, lse, dout)
-        return dq_s.astype(_F32), dk + dk_s.astype(_F32), dv + dv_s.astype(_F32)
-
-    def step(carry, s):
-        dq, block = carry
-        dq_s, dk, dv = add(block, s)
-        return (dq + dq_s, _hop(block[:3] + (dk, dv), axis, size)), None
+        block = jax.lax.switch(send, (send_block, send_gradients),
+                               (kb, vb, sb, dk + dk_s.astype(_F32), dv + dv_s.astype(_F32)))
+        return (dq + dq_s.astype(_F32), block), None
 
     zeros = lambda a: jnp.zeros(a.shape, _F32)
     start = (zeros(q), (k, v, segment, zeros(k), zeros(v)))
-    (dq, last), _ = jax.lax.scan(step, start, jnp.arange(size - 1))
-    # The last block's keys/values have reached every rank: only its gradient travels on, home.
-    dq_s, dk, dv = add(last, size - 1)
-    dk, dv = _hop((dk, dv), axis, size)
-    return (dq + dq_s).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    sends = np.array([0] * (size - 1) + [1], np.int32)  # which branch each step's send takes
+    (dq, (_, _, _, dk, dv)), _ = jax.lax.scan(step, start, (jnp.arange(size), sends))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 ring_attention.defvjp(_ring_fwd, _ring_bwd)
