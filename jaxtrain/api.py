@@ -49,7 +49,7 @@ class Run:
     def create(cls, model, plan: ParallelPlan | str = "", *, train: TrainConfig = TrainConfig(),
                optimizer: OptimizerConfig = OptimizerConfig(), devices=None, seed: int = 0,
                params: dict | None = None, groups: DeviceGroups | None = None,
-               loss: LossConfig | None = None) -> "Run":
+               loss: LossConfig | None = None, lora=None) -> "Run":
         """A run of `model` (a model config) laid out by `plan` (a ParallelPlan or spec string;
         "" puts every device on `data`; a mesh of fixed sizes takes the first devices it needs). `params`: canonical parameters to start from (host
         or device arrays, e.g. from `hf.load`); otherwise initialized from `seed`. `train`
@@ -57,7 +57,12 @@ class Run:
         (z-loss, chunk; default LossConfig()).
         `groups`: data parallelism over device groups with uneven batch shares, each group laid
         out by `plan` (whose `microbatches` then counts the microbatches of all groups);
-        `devices` may then list each group's devices."""
+        `devices` may then list each group's devices.
+        `lora`: a LoraConfig (models/lora.py): low-rank adapters on a frozen `model`; `params` may
+        then be the base's alone (e.g. `hf.load`'s), the adapters starting fresh (B = 0)."""
+        from models.lora import with_lora
+
+        model = with_lora(model, lora)
         if isinstance(plan, str):
             plan = ParallelPlan().with_spec(plan)
         groups = groups if groups is not None else plan.device_groups()  # the plan's `groups=`
@@ -65,6 +70,8 @@ class Run:
         if devices is None and -1 not in sizes and groups is None:  # a fixed mesh takes the first devices it needs
             devices = jax.devices()[:plan.mesh.fixed_device_count()]
         setup = build_train_setup(model, plan, train, optimizer, devices, groups=groups, loss=loss)
+        if params is not None and lora is not None:
+            params = _with_fresh_adapters(setup, params, seed)
         state = setup.state.init(seed) if params is None else setup.state_from_params(params)
         return cls(setup, state, train)
 
@@ -169,3 +176,13 @@ class Run:
             if ids.min() < 0 or ids.max() >= vocab:
                 raise ValueError(f"batch[{key!r}] holds token ids outside [0, vocab_size={vocab})")
         return self.setup.device_batch(full)
+
+
+def _with_fresh_adapters(setup: TrainSetup, params: dict, seed: int) -> dict:
+    """`params` with fresh adapters where it has none (a base model's parameters)."""
+    from jaxtrain.training.lora_run import trained_part, with_fresh_adapters
+
+    part = trained_part(setup)
+    if part is None or jax.tree.leaves(part.select(params)):
+        return params  # the adapters were given too
+    return with_fresh_adapters(setup, part, params, seed)

@@ -43,6 +43,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxtrain.checkpoints.adapter_base import (BASE_KEY, AdapterCheckpoints, BaseRecord, FullCheckpoints, merge_trees,
+                                               params_fingerprint, split_tree)
 from jaxtrain.checkpoints.compatibility import carried_over_line, fit_item, saved_item
 from jaxtrain.checkpoints.errors import (CheckpointError, CheckpointSaveError, CorruptCheckpoint,  # noqa: F401
                                          IncompatibleCheckpoint, UnverifiedCheckpoint)
@@ -79,15 +81,26 @@ class _OrbaxTracebacksToOneLine(logging.Filter):
 
 
 class Checkpointer:
-    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True, roles: dict | None = None):
+    def __init__(self, directory: str, *, keep: int | None = 3, async_save: bool = True, roles: dict | None = None,
+                 saves: FullCheckpoints | AdapterCheckpoints = FullCheckpoints()):
         """`roles`: {parameter path: optimizer role}, recorded in every manifest written, so a
-        resume can name the parameters whose role changed since."""
+        resume can name the parameters whose role changed since. `saves`: what a save writes
+        (jaxtrain/checkpoints/adapter_base.py: everything, or a LoRA run's adapters on a base)."""
         if not getattr(sys.unraisablehook, "jaxtrain", False):
             sys.unraisablehook = _drop_closed_loop_callbacks(sys.unraisablehook)
             logging.getLogger("absl").addFilter(_OrbaxTracebacksToOneLine())
         self.directory = os.path.abspath(directory)
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                               enable_async_checkpointing=async_save)
+        self.saves = saves
+        kept = saves.keep_steps(self.directory)
+        if kept and keep is not None:  # Orbax takes either max_to_keep or a policy
+            policies = ocp.checkpoint_managers
+            options = ocp.CheckpointManagerOptions(
+                create=True, enable_async_checkpointing=async_save,
+                preservation_policy=policies.AnyPreservationPolicy([policies.LatestN(n=keep),
+                                                                    policies.CustomSteps(kept)]))
+        else:
+            options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                                   enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._saving = None  # the step of the save in flight, if any
         self.roles = roles
@@ -129,19 +142,21 @@ class Checkpointer:
         `step`, with `extra` (JSON) in its manifest. Raises CheckpointSaveError if the previous
         async save failed."""
         self.wait()  # Orbax would wait for the previous save anyway; this names its failure right
+        # a state built for the save may bring some fingerprints along (jaxtrain/pipeline/streamed_save.py)
+        brought = getattr(state, "fingerprints", {})
+        state = self.saves.select(state)
         saved = {k: state[k] for k in STATE_ITEMS if k in state}
         items = {k: ocp.args.StandardSave(v) for k, v in saved.items()}
-        # a state built for the save may bring some fingerprints along (jaxtrain/pipeline/streamed_save.py)
-        known = {p: fp for p, fp in getattr(state, "fingerprints", {}).items() if p.split("/")[0] in saved}
+        known = {p: fp for p, fp in brought.items() if p.split("/")[0] in saved}
         manifest = {"items": sorted(saved), "fingerprints": tree_fingerprints(saved, known), "time": time.time(),
-                    **(extra or {})}
+                    **self.saves.manifest(), **(extra or {})}
         if self.roles is not None:
             manifest["roles"] = self.roles
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
             manifest["items"].append("data")
             manifest["data_state"] = data_iterator.get_state()
-        elif set(saved) == {"params"}:  # parameters only, on purpose (an import, a model to fine-tune)
+        elif set(saved) == {"params"} and BASE_KEY not in manifest:  # parameters only, on purpose (an import)
             manifest["kind"] = CONVERTED
         self._saving = step
         with self._naming_failures():
@@ -183,8 +198,37 @@ class Checkpointer:
         given, is restored in place. `reset`: items the caller will start fresh. Before any
         array is read, each item's saved structure is compared with `abstract_state`
         (IncompatibleCheckpoint, or optimizer state carried over: compatibility.py), and a step
-        without fingerprints is refused (UnverifiedCheckpoint) unless `allow_unverified`."""
+        without fingerprints is refused (UnverifiedCheckpoint) unless `allow_unverified`.
+        A step that records a base (a LoRA run's adapters) is restored on it: the parameters it
+        lacks are read from the base, which must still have the recorded fingerprint."""
         manifest = self.manifest(step)
+        if manifest is not None and manifest.get(BASE_KEY):
+            return self._restore_on_base(step, manifest, abstract_state, data_iterator, reset, allow_unverified)
+        return self._restore_saved(step, manifest, abstract_state, data_iterator, reset, allow_unverified)
+
+    def _restore_on_base(self, step, manifest, abstract_state, data_iterator, reset, allow_unverified) -> dict:
+        recorded = BaseRecord.from_json(manifest[BASE_KEY])
+        self.saves.check_base(recorded)
+        own, base = split_tree(abstract_state.get("params", {}), set(self.saved_shapes(step)))
+        if not base:  # the step's own items asked for (the adapters alone, or no parameters)
+            return self._restore_saved(step, manifest, abstract_state, data_iterator, reset, allow_unverified)
+        found = base_record(recorded.directory, recorded.step, what=f"the base of {self.directory}/{step}")
+        if found.fingerprint != recorded.fingerprint:
+            raise IncompatibleCheckpoint(f"{self.directory}/{step} holds adapters trained on base {recorded.describe()}, "
+                                         f"but {found.describe()} is there now: restore the base the adapters were "
+                                         f"trained on, or train into a fresh workdir")
+        if not own:
+            raise IncompatibleCheckpoint(f"{self.directory}/{step} holds none of this model's parameters")
+        state = self._restore_saved(step, manifest, {**abstract_state, "params": own}, data_iterator, reset,
+                                    allow_unverified)
+        base_checkpointer = Checkpointer(recorded.directory, keep=None, async_save=False)
+        try:
+            base_params = base_checkpointer.restore(recorded.step, {"params": base})["params"]
+        finally:
+            base_checkpointer.close()
+        return {**state, "params": merge_trees(base_params, state["params"])}
+
+    def _restore_saved(self, step, manifest, abstract_state, data_iterator, reset, allow_unverified) -> dict:
         present = self.items(step)
         expected = self._expected_items(step, manifest, present, abstract_state, data_iterator, reset)
         state_items = [k for k in STATE_ITEMS if k in expected]
@@ -306,6 +350,30 @@ class Checkpointer:
             shutil.move(os.path.join(self.directory, str(step)), target)
         _barrier(f"jaxtrain_quarantine_{step}")
         return target
+
+
+def base_record(directory: str, step: int | None = None, *, what: str = "the base") -> BaseRecord:
+    """The record of parameter checkpoint `step` (default: the newest) in `directory` as a base
+    for adapters: a verifiable step that is not itself adapters on a base."""
+    directory = os.path.abspath(directory)
+    if not os.path.isdir(directory):
+        raise IncompatibleCheckpoint(f"{what}: no checkpoint directory {directory}")
+    steps = sorted(int(d) for d in os.listdir(directory) if d.isdigit())
+    if not steps:
+        raise IncompatibleCheckpoint(f"{what}: no checkpoint in {directory}")
+    if step is not None and step not in steps:
+        raise IncompatibleCheckpoint(f"{what}: no step {step} in {directory} (steps: {steps})")
+    step = steps[-1] if step is None else step
+    checkpointer = Checkpointer(directory, keep=None, async_save=False)
+    try:
+        manifest = checkpointer.manifest(step)
+    finally:
+        checkpointer.close()
+    if manifest is None or not manifest.get("fingerprints"):
+        raise IncompatibleCheckpoint(f"{what}: {directory}/{step} has no manifest with fingerprints to identify it by")
+    if manifest.get(BASE_KEY):
+        raise IncompatibleCheckpoint(f"{what}: {directory}/{step} holds adapters, not a base model's parameters")
+    return BaseRecord(directory, step, params_fingerprint(manifest))
 
 
 def _print_once(line: str) -> None:

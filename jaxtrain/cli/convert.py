@@ -5,6 +5,10 @@
         python -m jaxtrain.train --gin_file=W/config.gin [--gin_file=...] --workdir=W fine-tunes it.
     python -m jaxtrain.convert --workdir=W --hf_out=OUT [--step=N] [--hf_dtype=bfloat16]
         the latest (or given) checkpoint in W -> an HF directory transformers loads.
+    python -m jaxtrain.convert --workdir=W --hf_adapter_out=OUT [--hf_base=NAME]
+        a LoRA run's adapters -> a peft adapter directory (PeftModel.from_pretrained(base, OUT)).
+    python -m jaxtrain.convert --workdir=W --hf_out=OUT --merge_adapters
+        a LoRA run with its adapters merged into the base's weights -> an HF directory.
 
 Neither direction builds the model in host memory: tensors are read, rearranged and written
 one layer at a time. The peak resident memory is printed at the end.
@@ -82,6 +86,9 @@ def checkpoint_to_hf(workdir: str, hf_out: str, *, step: int | None = None, gin_
     from jaxtrain.training.state import abstract_model
 
     config = model_config_from_gin(list(gin_files) or [os.path.join(workdir, "config.gin")], gin_params)
+    if hasattr(config, "lora"):
+        raise ValueError(f"{workdir} is a LoRA run: export it with --merge_adapters (a full model) or "
+                         f"--hf_adapter_out (a peft adapter directory)")
     checkpoints = os.path.join(workdir, "checkpoints")
     steps = sorted(int(d) for d in os.listdir(checkpoints) if d.isdigit()) if os.path.isdir(checkpoints) else []
     if not steps:
@@ -92,6 +99,86 @@ def checkpoint_to_hf(workdir: str, hf_out: str, *, step: int | None = None, gin_
     plan = ExportPlan(family_for_config(config), config, hf_dtype)
     source = CheckpointSource(checkpoints, step, nnx.to_pure_dict(abstract_model(config)[1]))
     write_hf_dir(plan, source, hf_out, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+    return step
+
+
+def _lora_run(workdir: str, step: int | None, gin_files, gin_params, what: str):
+    """(model config with adapters, checkpoint directory, step) of a LoRA run's workdir; a run
+    without adapters is a ValueError naming it (before anything is written)."""
+    config = model_config_from_gin(list(gin_files) or [os.path.join(workdir, "config.gin")], gin_params)
+    if not hasattr(config, "lora"):
+        raise ValueError(f"{workdir} is not a LoRA run (its config binds no Experiment.lora): it has no adapters "
+                         f"to {what}")
+    checkpoints = os.path.join(workdir, "checkpoints")
+    steps = sorted(int(d) for d in os.listdir(checkpoints) if d.isdigit()) if os.path.isdir(checkpoints) else []
+    step = steps[-1] if step is None and steps else step
+    if step not in steps:
+        raise FileNotFoundError(f"no step {step} in {checkpoints} (steps: {steps})" if steps
+                                else f"no checkpoint in {checkpoints}")
+    return config, checkpoints, step
+
+
+def _read_params(config, checkpoints: str, step: int, adapters_only: bool) -> tuple[dict, dict]:
+    """(host params of the step: the adapters alone, or with the base they were trained on; its manifest)."""
+    import jax
+    from flax import nnx
+
+    from jaxtrain.checkpoints.checkpointer import Checkpointer
+    from jaxtrain.checkpoints.adapter_base import split_tree
+    from jaxtrain.training.state import abstract_model
+
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
+                            nnx.to_pure_dict(abstract_model(config)[1]))
+    if adapters_only:
+        keep = {p for p in _leaf_paths(abstract) if "/adapter/" in p}
+        abstract, _ = split_tree(abstract, keep)
+    checkpointer = Checkpointer(checkpoints, keep=None, async_save=False)
+    try:
+        params = checkpointer.restore(step, {"params": abstract})["params"]
+        manifest = checkpointer.manifest(step) or {}
+    finally:
+        checkpointer.close()
+    return jax.device_get(params), manifest
+
+
+def _leaf_paths(tree) -> set[str]:
+    from jaxtrain.hf.trees import flatten
+    return set(flatten(tree))
+
+
+def adapters_to_peft(workdir: str, out: str, *, step: int | None = None, gin_files=(), gin_params=(),
+                     base_name: str | None = None) -> int:
+    """Writes the adapters of a LoRA run's checkpoint `step` (default: latest) as a peft adapter
+    directory; returns the step."""
+    from jaxtrain.hf.adapters import peft_tensors, write_peft_dir
+    from jaxtrain.hf.exporter import ExportPlan
+    from jaxtrain.hf.registry import family_for_config
+
+    config, checkpoints, step = _lora_run(workdir, step, gin_files, gin_params, "export")
+    plan = ExportPlan(family_for_config(config.base), config.base, "float32")
+    params, manifest = _read_params(config, checkpoints, step, adapters_only=True)
+    tensors, modules = peft_tensors(plan, params)  # an unsupported mapping fails before anything is written
+    recorded = manifest.get("base", {}).get("directory")
+    base_name = base_name or (os.path.dirname(recorded) if recorded else workdir)
+    write_peft_dir(out, tensors, modules, config.lora, base_name)
+    return step
+
+
+def merged_to_hf(workdir: str, out: str, *, step: int | None = None, gin_files=(), gin_params=(),
+                 hf_dtype: str | None = None, max_shard_bytes: int | None = None) -> int:
+    """Writes a LoRA run's checkpoint `step` (default: latest) with the adapters merged into the
+    base's weights, as an HF model directory of the base's architecture; returns the step."""
+    from jaxtrain.hf.adapters import merged
+    from jaxtrain.hf.exporter import DEFAULT_MAX_SHARD_BYTES, ExportPlan, write_hf_dir
+    from jaxtrain.hf.registry import family_for_config
+    from jaxtrain.hf.saving import ParamsSource
+
+    config, checkpoints, step = _lora_run(workdir, step, gin_files, gin_params, "merge")
+    plan = ExportPlan(family_for_config(config.base), config.base, hf_dtype)
+    params, _ = _read_params(config, checkpoints, step, adapters_only=False)
+    write_hf_dir(plan, ParamsSource(merged(params, config.lora.scale)), out,
+                 max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
     return step
 
 
@@ -132,31 +219,48 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", required=True, help="jaxtrain workdir (checkpoints/ and config.gin)")
     parser.add_argument("--hf_dir", help="HF model directory to import")
     parser.add_argument("--hf_out", help="HF model directory to export to")
+    parser.add_argument("--hf_adapter_out", help="peft adapter directory to export a LoRA run's adapters to")
+    parser.add_argument("--merge_adapters", action="store_true",
+                        help="export (--hf_out): a LoRA run's adapters merged into the base's weights")
+    parser.add_argument("--hf_base", default=None,
+                        help="adapter export: base_model_name_or_path to record (default: the base's workdir)")
     parser.add_argument("--step", type=int, default=None, help="export this step instead of the latest")
     parser.add_argument("--gin_file", action="append", default=[], help="export: model gin (default W/config.gin)")
     parser.add_argument("--gin_param", action="append", default=[], help="export: extra gin binding")
     parser.add_argument("--hf_dtype", default=None, help="export: weight dtype on disk (float32, bfloat16, float16)")
     parser.add_argument("--max_shard_gb", type=float, default=None, help="export: safetensors shard size")
     args = parser.parse_args(argv)
-    if bool(args.hf_dir) == bool(args.hf_out):
-        parser.error("give exactly one of --hf_dir (import) or --hf_out (export)")
+    if sum(map(bool, (args.hf_dir, args.hf_out, args.hf_adapter_out))) != 1:
+        parser.error("give exactly one of --hf_dir (import), --hf_out (export) or --hf_adapter_out (adapter export)")
+    if args.merge_adapters and not args.hf_out:
+        parser.error("--merge_adapters goes with --hf_out")
 
     with _import_notes_shown():
         return _convert(args)
 
 
 def _convert(args) -> int:
+    from jaxtrain.checkpoints.errors import CheckpointError
     from jaxtrain.hf.errors import HFCheckpointError, HFConfigError
     try:
         if args.hf_dir:
             gin_path = hf_to_checkpoint(args.hf_dir, args.workdir)
             print(f"wrote {os.path.join(args.workdir, 'checkpoints', str(DEFAULT_STEP))} and {gin_path}")
+        elif args.hf_adapter_out:
+            step = adapters_to_peft(args.workdir, args.hf_adapter_out, step=args.step, gin_files=args.gin_file,
+                                    gin_params=args.gin_param, base_name=args.hf_base)
+            print(f"wrote the adapters of step {step} of {args.workdir} to {args.hf_adapter_out}")
+        elif args.merge_adapters:
+            max_bytes = int(args.max_shard_gb * 1e9) if args.max_shard_gb else None
+            step = merged_to_hf(args.workdir, args.hf_out, step=args.step, gin_files=args.gin_file,
+                                gin_params=args.gin_param, hf_dtype=args.hf_dtype, max_shard_bytes=max_bytes)
+            print(f"wrote step {step} of {args.workdir}, adapters merged, to {args.hf_out}")
         else:
             max_bytes = int(args.max_shard_gb * 1e9) if args.max_shard_gb else None
             step = checkpoint_to_hf(args.workdir, args.hf_out, step=args.step, gin_files=args.gin_file,
                                     gin_params=args.gin_param, hf_dtype=args.hf_dtype, max_shard_bytes=max_bytes)
             print(f"wrote step {step} of {args.workdir} to {args.hf_out}")
-    except (HFConfigError, HFCheckpointError, FileNotFoundError, FileExistsError, ValueError) as e:
+    except (HFConfigError, HFCheckpointError, CheckpointError, FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     print(f"peak host memory (max RSS): {peak_rss_mb():.0f} MiB")

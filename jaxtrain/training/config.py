@@ -19,6 +19,7 @@ from jaxtrain.pipeline.config import PipelineConfig
 from meshes.context_settings import ContextParallel
 from meshes.mesh_config import MeshConfig
 from models.family import families
+from models.lora import LoraConfig, with_lora
 
 # Each model family's record registers its config and the parts its gin files name with gin
 # (models/family.py); mesh_configurable.py registers the mesh and context settings and
@@ -89,8 +90,19 @@ class Experiment:
     checkpoint: CheckpointConfig | None = None
     resilience: ResilienceConfig | None = None
     observe: ObserveConfig | None = None
+    # Low-rank adapters on a frozen base (models/lora.py; configs/lora.gin): `model` is then the
+    # adapted model, and checkpoints hold the adapters alone on top of a recorded base
+    # (jaxtrain/checkpoints/adapter_base.py).
+    lora: LoraConfig | None = None
+    # The workdir whose newest checkpoint is the base a LoRA run adapts (e.g. one written by
+    # `python -m jaxtrain.convert --hf_dir`); None: the run's own workdir's converted step.
+    lora_base: str | None = None
 
     def __post_init__(self):
+        if self.lora is not None and self.model is not None and not hasattr(self.model, "lora"):
+            # the one place the adapted model is made: every program that builds the run's model
+            # (train, eval, generate, export) builds this one
+            object.__setattr__(self, "model", with_lora(self.model, self.lora))
         for part, make in RUN_CONFIGS.items():
             if getattr(self, part) is None:
                 object.__setattr__(self, part, make())

@@ -61,8 +61,8 @@ class TrainLoop:
     def run(self) -> list[dict]:
         setup = self.setup
         if self.is_main:
-            print(f"jaxtrain: {setup.state.num_params / 1e6:.2f}M params, mesh {describe(setup.mesh)}, rules "
-                  f"{setup.rules.name}, steps {self.step}->{self.end}", flush=True)
+            print(f"jaxtrain: {setup.state.num_params / 1e6:.2f}M params{trained_note(setup)}, mesh "
+                  f"{describe(setup.mesh)}, rules {setup.rules.name}, steps {self.step}->{self.end}", flush=True)
             if setup.summary:
                 print(f"jaxtrain: {setup.summary}", flush=True)
             if self.parts.evaluate is None:
@@ -270,3 +270,15 @@ def _all_processes(counts, data_shards: int):
 def _every(every: int, step: int) -> bool:
     """Step `step` ends an interval of `every` steps (0: never)."""
     return bool(every) and step % every == 0
+
+
+def trained_note(setup) -> str:
+    """", of which N trained" when part of the model is frozen (a LoRA run's base), else ""."""
+    from jaxtrain.training.lora_run import trained_part
+    from jaxtrain.training.state import count_params
+
+    part = trained_part(setup)
+    if part is None:
+        return ""
+    trained = count_params(part.select(setup.state.abstract.params))
+    return f", of which {trained / 1e6:.4f}M trained ({100 * trained / setup.state.num_params:.2f}%)"

@@ -14,6 +14,7 @@ from typing import Callable
 
 import jax
 
+from jaxtrain.checkpoints.adapter_base import BASE_KEY, AdapterCheckpoints, FullCheckpoints
 from jaxtrain.checkpoints.checkpointer import ALL_ITEMS, CheckpointError, Checkpointer, IncompatibleCheckpoint
 from jaxtrain.checkpoints.compatibility import roles_changed_line
 from jaxtrain.training.config import Experiment
@@ -110,7 +111,10 @@ class Trainer:
         checkpoint (checked to hold this model's shapes), or freshly initialized."""
         c = self.exp.checkpoint
         latest = checkpointer.latest_step()
-        if latest is not None:
+        on_base = latest is not None and bool((checkpointer.manifest(latest) or {}).get(BASE_KEY))
+        if isinstance(checkpointer.saves, AdapterCheckpoints) and not on_base:
+            return self._start_on_base(checkpointer.saves)
+        if latest is not None and not on_base:  # (adapter steps hold a part: the restore checks it)
             try:
                 saved = checkpointer.saved_shapes(latest)
             except Exception:  # unreadable metadata: restore_latest names it and falls back
@@ -137,6 +141,45 @@ class Trainer:
         position = 0 if fresh_data else manifest.get("data_position", step)
         return restored.state, {"data_position": position, "skipped_batches": manifest.get("skipped_batches", []),
                                 "step": step}
+
+    def checkpoint_saves(self, checkpoint_dir: str) -> FullCheckpoints | AdapterCheckpoints:
+        """What this run's checkpoints hold: everything, or (a LoRA run) the adapters on a base:
+        the one recorded by the newest adapter step, else the newest step of Experiment.lora_base
+        or of this workdir (a converted base model)."""
+        from jaxtrain.checkpoints.adapter_base import BaseRecord
+        from jaxtrain.checkpoints.checkpointer import base_record
+        from jaxtrain.training.lora_run import trained_part
+
+        part = trained_part(self.setup)
+        if part is None:
+            return FullCheckpoints()
+        own = Checkpointer(checkpoint_dir, keep=None, async_save=False)
+        try:
+            latest = own.latest_step()
+            recorded = (own.manifest(latest) or {}).get(BASE_KEY) if latest is not None else None
+        finally:
+            own.close()
+        if self.exp.lora_base is not None:
+            base = base_record(os.path.join(self.exp.lora_base, "checkpoints"), what="Experiment.lora_base")
+        elif recorded:
+            base = BaseRecord.from_json(recorded)
+        elif latest is None:
+            raise IncompatibleCheckpoint(
+                f"a LoRA run needs a base model: convert one into {self.workdir} (python -m jaxtrain.convert "
+                f"--hf_dir=... --workdir={self.workdir}) or bind Experiment.lora_base to a workdir holding one")
+        else:
+            base = base_record(checkpoint_dir, latest, what="the base model")
+        return AdapterCheckpoints(base, part)
+
+    def _start_on_base(self, saves: AdapterCheckpoints) -> tuple[TrainState, dict]:
+        """A LoRA run's first state: the base's parameters and fresh adapters, fresh optimizer and data."""
+        from jaxtrain.training.lora_run import state_on_base
+
+        state = state_on_base(self.setup, saves.base, saves.part, self.exp.train.seed)
+        self.train_iter.set_state(self.fresh_data_state)
+        if jax.process_index() == 0:
+            print(f"jaxtrain: LoRA on base {saves.base.describe()}, adapters fresh", flush=True)
+        return state, {"data_position": 0, "skipped_batches": []}
 
     def param_roles(self) -> dict:
         """{parameter path: optimizer role} as the manifests record them."""
@@ -193,8 +236,12 @@ class Trainer:
                 signals.attach(peers)
             checkpoint_dir = os.path.join(self.workdir, "checkpoints")
             peers.check_shared_directory(checkpoint_dir)
+            try:
+                saves = self.checkpoint_saves(checkpoint_dir)
+            except IncompatibleCheckpoint as e:  # no base, or not one: a config error, nothing written
+                raise RunStopped(str(e), exit_codes.BAD_INPUT) from None
             checkpointer = Checkpointer(checkpoint_dir, keep=c.keep_checkpoints, async_save=c.async_checkpoint,
-                                        roles=self.param_roles())
+                                        roles=self.param_roles(), saves=saves)
             try:
                 with watchdog.phase("restore", "the restore of the newest checkpoint (or the initialization)"):
                     state, resume = self.restore_or_init(checkpointer)
