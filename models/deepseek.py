@@ -24,8 +24,31 @@ from models.layers.router import RouterConfig
 from models.layers.stack import LayerStack
 
 
+# {target: (module path pattern (models/lora.py), the transformers module it adapts)}. "+" joins
+# projections of one input that transformers fuses into one module; they share one A, as peft's
+# adapter on the fused module does. Routed experts get one A/B pair per expert (peft's
+# `target_parameters` on the stacked expert tensors).
+ADAPTER_TARGETS = {
+    "q": ("attn/q", "self_attn.q_proj"),
+    "q_a": ("attn/q_down", "self_attn.q_a_proj"),
+    "q_b": ("attn/q_up", "self_attn.q_b_proj"),
+    "kv_a": ("attn/kv_down+k_rope", "self_attn.kv_a_proj_with_mqa"),
+    "kv_b": ("attn/kv_up", "self_attn.kv_b_proj"),
+    "o": ("attn/o", "self_attn.o_proj"),
+    "gate": ("mlp/gate", "mlp.gate_proj"),
+    "up": ("mlp/up", "mlp.up_proj"),
+    "down": ("mlp/down", "mlp.down_proj"),
+    "shared_gate": ("moe/shared/gate", "mlp.shared_experts.gate_proj"),
+    "shared_up": ("moe/shared/up", "mlp.shared_experts.up_proj"),
+    "shared_down": ("moe/shared/down", "mlp.shared_experts.down_proj"),
+    "experts_gate_up": ("moe/experts/gate+up", "mlp.experts.gate_up_proj"),
+    "experts_down": ("moe/experts/down", "mlp.experts.down_proj"),
+}
+
+
 @model_family("deepseek_v2", "MLA attention, dense prefix, DeepSeekMoE (routed + shared experts)",
-              parts=(RouterConfig, *SCALINGS, *ATTENTION_STRATEGIES), hf_adapter="jaxtrain.hf.families.deepseek_v2")
+              parts=(RouterConfig, *SCALINGS, *ATTENTION_STRATEGIES), hf_adapter="jaxtrain.hf.families.deepseek_v2",
+              adapter_targets={name: pattern for name, (pattern, _) in ADAPTER_TARGETS.items()})
 @dataclasses.dataclass(frozen=True)
 class DeepSeekConfig(FamilyConfig):
     vocab_size: int = 512

@@ -33,8 +33,31 @@ from models.mamba2 import Mamba2Block
 KINDS = ("mamba", "attention", "mlp", "moe")
 
 
+# {target: (module path pattern (models/lora.py), the transformers module it adapts, within a
+# layer's `mixer`)}. "+" joins projections transformers fuses into one (Mamba-2's in_proj rows are
+# [z | x | B | C | dt]); they share one A, as peft's adapter on the fused module does. Routed experts
+# get one A/B pair per expert (peft's `target_parameters` on the stacked expert tensors).
+ADAPTER_TARGETS = {
+    "in_proj": ("mixer/in_z+in_x+in_b+in_c+in_dt", "mixer.in_proj"),
+    "out_proj": ("mixer/out", "mixer.out_proj"),
+    "q": ("attn/q", "mixer.q_proj"),
+    "k": ("attn/k", "mixer.k_proj"),
+    "v": ("attn/v", "mixer.v_proj"),
+    "o": ("attn/o", "mixer.o_proj"),
+    "up": ("mlp/up", "mixer.up_proj"),
+    "down": ("mlp/down", "mixer.down_proj"),
+    "shared_up": ("moe/shared/up", "mixer.shared_experts.up_proj"),
+    "shared_down": ("moe/shared/down", "mixer.shared_experts.down_proj"),
+    "latent_down": ("moe/latent_down", "mixer.fc1_latent_proj"),
+    "latent_up": ("moe/latent_up", "mixer.fc2_latent_proj"),
+    "experts_up": ("moe/experts/up", "mixer.experts.up_proj"),
+    "experts_down": ("moe/experts/down", "mixer.experts.down_proj"),
+}
+
+
 @model_family("nemotron_h", "hybrid pattern of Mamba-2, attention, MLP and MoE blocks",
-              parts=(RouterConfig, SSMConfig, *ATTENTION_STRATEGIES), hf_adapter="jaxtrain.hf.families.nemotron_h")
+              parts=(RouterConfig, SSMConfig, *ATTENTION_STRATEGIES), hf_adapter="jaxtrain.hf.families.nemotron_h",
+              adapter_targets={name: pattern for name, (pattern, _) in ADAPTER_TARGETS.items()})
 @dataclasses.dataclass(frozen=True)
 class NemotronHConfig(FamilyConfig):
     vocab_size: int = 512

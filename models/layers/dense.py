@@ -28,6 +28,13 @@ class Dense(nnx.Module):
                             tuple(in_axes) + tuple(out_axes))
         self.bias = param(rngs, zeros, self.out_shape, tuple(out_axes), optimizer="no_decay") if use_bias else None
 
+    def weight(self):
+        """The kernel as this Dense applies it: with an adapter, kernel + its low-rank delta. For
+        callers that use the weight itself rather than calling the Dense (MLA's latent attention
+        up-projects inside its kernel); equal to calling, since the adapter's term is linear in x."""
+        kernel = self.kernel[...]
+        return kernel if self.adapter is None else kernel + self.adapter.delta(len(self.in_shape)).astype(kernel.dtype)
+
     def __call__(self, x):
         n_in = len(self.in_shape)
         if x.shape[x.ndim - n_in:] != self.in_shape:

@@ -8,6 +8,12 @@ Nemotron-H's squared ReLU). Each computes two ways, with the same math:
 - `compute_batched`: a fixed [experts, rows, embed] buffer, every expert the same number of rows
   (the capacity dispatch): a dense batched matmul, static shapes on every backend
   (`pallas_kernels.low_precision_dot.batched_matmul`: bf16 operands on XLA:CPU too).
+
+`adapter`, when a model transform sets one (models/lora.py ExpertAdapters), adds a low-rank term
+per expert to named projections. Its factors are expert weights like the others (stacked over
+experts, in `weights()` under their own names and logical axes), so the expert-parallel dispatch
+slices and gathers them as it does the experts, and both paths add the term with the same
+per-expert matmul as the base projection.
 """
 from __future__ import annotations
 
@@ -32,19 +38,20 @@ WEIGHT_AXES = {  # logical axes of each expert weight (`expert_embed`: FSDP spli
 }
 
 
-class GatedExperts(nnx.Module):
-    """down(act(x @ gate) * (x @ up)) per expert."""
+class Experts(nnx.Module):
+    """What both expert shapes share: their weights by name, and one projection with its adapter."""
 
-    def __init__(self, num_experts: int, embed: int, hidden: int, *, rngs: nnx.Rngs, activation: str = "silu",
-                 init_std: float = 0.02, dtype=jnp.float32):
-        self.activation, self.dtype = activation, dtype
-        _activation(activation)
-        self.gate = param(rngs, normal(init_std), (num_experts, embed, hidden), WEIGHT_AXES["gate"])
-        self.up = param(rngs, normal(init_std), (num_experts, embed, hidden), WEIGHT_AXES["up"])
-        self.down = param(rngs, normal(init_std), (num_experts, hidden, embed), WEIGHT_AXES["down"])
+    adapter = None
+    projections: tuple[str, ...] = ()
 
     def weights(self) -> dict:
-        return {"gate": self.gate[...], "up": self.up[...], "down": self.down[...]}
+        base = {name: getattr(self, name)[...] for name in self.projections}
+        return base if self.adapter is None else {**base, **self.adapter.weights()}
+
+    def weight_axes(self) -> dict:
+        """{weight name: logical axes} for every entry of `weights()`."""
+        base = {name: WEIGHT_AXES[name] for name in self.projections}
+        return base if self.adapter is None else {**base, **self.adapter.weight_axes()}
 
     def compute(self, tokens, group_sizes, weights, kernels: str):
         """tokens [n, embed] sorted by expert; weights may be this device's slice of experts."""
@@ -55,13 +62,36 @@ class GatedExperts(nnx.Module):
         """buffer [e, n, embed] (n rows per expert, e = this device's experts) -> [e, n, embed]."""
         return self._apply(buffer.astype(self.dtype), weights, _batched_matmul(self.dtype))
 
+    def _project(self, x, weights, name: str, mm):
+        y = mm(x, weights[name])
+        if self.adapter is not None and self.adapter.adapts(name):
+            y = y + self.adapter.term(name, x, weights, mm)
+        return y
+
+
+class GatedExperts(Experts):
+    """down(act(x @ gate) * (x @ up)) per expert."""
+
+    projections = ("gate", "up", "down")
+
+    def __init__(self, num_experts: int, embed: int, hidden: int, *, rngs: nnx.Rngs, activation: str = "silu",
+                 init_std: float = 0.02, dtype=jnp.float32):
+        self.activation, self.dtype = activation, dtype
+        _activation(activation)
+        self.gate = param(rngs, normal(init_std), (num_experts, embed, hidden), WEIGHT_AXES["gate"])
+        self.up = param(rngs, normal(init_std), (num_experts, embed, hidden), WEIGHT_AXES["up"])
+        self.down = param(rngs, normal(init_std), (num_experts, hidden, embed), WEIGHT_AXES["down"])
+
     def _apply(self, x, weights, mm):
-        h = _activation(self.activation)(mm(x, weights["gate"])) * mm(x, weights["up"])
-        return mm(h, weights["down"])
+        project = lambda v, name: self._project(v, weights, name, mm)
+        h = _activation(self.activation)(project(x, "gate")) * project(x, "up")
+        return project(h, "down")
 
 
-class PlainExperts(nnx.Module):
+class PlainExperts(Experts):
     """down(act(x @ up)) per expert (no gate)."""
+
+    projections = ("up", "down")
 
     def __init__(self, num_experts: int, embed: int, hidden: int, *, rngs: nnx.Rngs, activation: str = "relu2",
                  init_std: float = 0.02, dtype=jnp.float32):
@@ -70,17 +100,8 @@ class PlainExperts(nnx.Module):
         self.up = param(rngs, normal(init_std), (num_experts, embed, hidden), WEIGHT_AXES["up"])
         self.down = param(rngs, normal(init_std), (num_experts, hidden, embed), WEIGHT_AXES["down"])
 
-    def weights(self) -> dict:
-        return {"up": self.up[...], "down": self.down[...]}
-
-    def compute(self, tokens, group_sizes, weights, kernels: str):
-        mm = lambda a, w: grouped_matmul(a, w.astype(self.dtype), group_sizes, impl=kernels)
-        return self._apply(tokens.astype(self.dtype), weights, mm)
-
-    def compute_batched(self, buffer, weights):
-        return self._apply(buffer.astype(self.dtype), weights, _batched_matmul(self.dtype))
-
     def _apply(self, x, weights, mm):
-        return mm(_activation(self.activation)(mm(x, weights["up"])), weights["down"])
+        project = lambda v, name: self._project(v, weights, name, mm)
+        return project(_activation(self.activation)(project(x, "up")), "down")
 
 

@@ -112,7 +112,7 @@ class MultiHeadLatentAttention(nnx.Module):
             # and every rank up-projects the whole sequence (no-op gathers with one rank).
             latent = gather_sequence(local_latent.astype(up.dtype), ("batch", "length", "kv_lora"))
             k_rope = gather_sequence(local_k_rope, ("batch", "length", None))
-            w_up = cast_for_use(up.kernel[...], logical_axes(up.kernel)[-3:], up.dtype)  # bf16 before any gather
+            w_up = cast_for_use(up.weight(), logical_axes(up.kernel)[-3:], up.dtype)  # bf16 before any gather
             out = self.attention.latent(q, latent, k_rope, w_up,
                                         segment_ids, nope=self.nope, scale=self.softmax_scale)
             return self.o(out), local_latent, local_k_rope
@@ -164,7 +164,7 @@ class MultiHeadLatentAttention(nnx.Module):
         view = LayerCache.of(cache).write("latent", latent, index, CACHE_LATENT).write("k_rope", k_rope, index,
                                                                                         CACHE_ROPE_KEY)
         dtype = self.kv_up.dtype
-        w_up = self.kv_up.kernel[...].astype(dtype)  # [kv_lora, h, nope + v]
+        w_up = self.kv_up.weight().astype(dtype)  # [kv_lora, h, nope + v]
         w_uk, w_uv = w_up[..., :self.nope], w_up[..., self.nope:]
         q_latent = jnp.einsum("bhn,chn->bhc", q[:, 0, :, :self.nope].astype(dtype), w_uk)
         q_rope = q[:, 0, :, self.nope:].astype(dtype)

@@ -14,7 +14,7 @@ from meshes.experts import dispatch_for, moe_forward
 from meshes.rules import active_mesh, active_rules
 from models.layers.aux_outputs import AuxOutput
 from models.layers.dense import Dense
-from models.layers.expert_ffn import WEIGHT_AXES, GatedExperts, PlainExperts
+from models.layers.expert_ffn import GatedExperts, PlainExperts
 from models.layers.router import CORRECTION_BIAS, Router, RouterConfig, updated_correction_bias
 from pallas_kernels.moe_routing import route
 
@@ -87,7 +87,7 @@ class MoEBlock(nnx.Module):
         bias = getattr(self.router, CORRECTION_BIAS)
         kernels = self.kernels
         y, stats = moe_forward(
-            h, logits, None if bias is None else bias[...], self.experts.weights(), WEIGHT_AXES,
+            h, logits, None if bias is None else bias[...], self.experts.weights(), self.experts.weight_axes(),
             route=make_route_fn(self.cfg, kernels),
             ffn=lambda tokens, sizes, weights: self.experts.compute(tokens, sizes, weights, kernels),
             batched_ffn=self.experts.compute_batched, dispatch=dispatch_for(self.cfg.capacity_factor),
