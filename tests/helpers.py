@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.extend
@@ -112,3 +113,15 @@ def jaxpr_shapes(jaxpr):
                     yield from jaxpr_shapes(sub.jaxpr)
                 elif isinstance(sub, jax.extend.core.Jaxpr):
                     yield from jaxpr_shapes(sub)
+
+
+# Bundled configs that add to a model's config rather than describe a run (include them after
+# one): each with the bundled config the tests load it on.
+OVERLAY_CONFIGS = {"lora.gin": "default.gin"}
+
+
+def bundled_config_files(name: str) -> list[str]:
+    """The gin files that load configs/`name` as a run: an overlay after its model's config."""
+    configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    base = OVERLAY_CONFIGS.get(name)
+    return ([os.path.join(configs, base)] if base else []) + [os.path.join(configs, name)]

@@ -12,6 +12,7 @@ import pytest
 
 import jaxtrain.hf.families as hf_families_pkg
 from jaxtrain.hf import registry as hf_registry
+from helpers import bundled_config_files
 from jaxtrain.training.config import load_experiment, parse_gin
 from models.family import FamilyConfig, Runtime, _FAMILIES, families, family_of, model_family
 from models.layers.attention_impl import BlockwiseAttention, MaterializedAttention
@@ -88,7 +89,7 @@ def _experiment_from(text: str):
 def test_every_bundled_config_loads_and_survives_the_saved_config_gin(name, clean_gin):
     """Each configs/*.gin loads; the text a run saves as config.gin (gin.config_str()) loads back
     to an equal experiment."""
-    parse_gin([os.path.join(REPO, "configs", name)], [])
+    parse_gin(bundled_config_files(name), [])
     exp = load_experiment()
     saved = gin.config_str()
     assert _experiment_from(saved) == exp

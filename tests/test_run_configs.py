@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import TINY_LLAMA, TINY_LLAMA_BYTES, TINY_OPT, random_packed_batch
+from helpers import TINY_LLAMA, TINY_LLAMA_BYTES, TINY_OPT, bundled_config_files, random_packed_batch
 from jaxtrain.api import Run
 from jaxtrain.cli import train as train_cli
 from jaxtrain.data.packing import DataConfig
@@ -88,7 +88,7 @@ def test_new_bindings_load_without_a_warning_and_typos_are_named(capsys):
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "*.gin"))),
                          ids=lambda p: os.path.basename(p))
 def test_every_bundled_config_loads_without_an_old_binding(path, capsys):
-    exp = load(files=[path])
+    exp = load(files=bundled_config_files(os.path.basename(path)))
     assert exp.model is not None and isinstance(exp.checkpoint, CheckpointConfig)
     assert "is now" not in capsys.readouterr().err
 
