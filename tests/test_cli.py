@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxtrain.cli import train
+from helpers import bundled_config_files
 from processes import child_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.end_to_end]
@@ -137,12 +138,12 @@ BUNDLED = sorted(f for f in os.listdir(os.path.join(REPO, "configs")) if f.endsw
 LOAD_ALL = """
 import sys, gin
 from jaxtrain.training.config import load_experiment, parse_gin
-for path in sys.argv[1:]:
+for files in sys.argv[1:]:  # each: a run's gin files, comma-joined
     gin.clear_config()
-    parse_gin([path], [])
+    parse_gin(files.split(","), [])
     exp = load_experiment()
     assert exp.model is not None and exp.train.steps > 0
-    print("loaded", path)
+    print("loaded", files)
 """
 
 
@@ -150,7 +151,7 @@ def test_every_bundled_config_loads_from_any_working_directory(tmp_path):
     """As a user runs them: from another directory, the repo not on sys.path (only installed), so
     includes like 'configs/default.gin' must resolve without the working directory's help."""
     env = child_env(drop=("PYTHONPATH",))
-    paths = [os.path.join(REPO, "configs", name) for name in BUNDLED]
+    paths = [",".join(bundled_config_files(name)) for name in BUNDLED]
     proc = subprocess.run([sys.executable, "-c", LOAD_ALL, *paths], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

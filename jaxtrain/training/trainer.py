@@ -15,7 +15,8 @@ from typing import Callable
 import jax
 
 from jaxtrain.checkpoints.adapter_base import BASE_KEY, AdapterCheckpoints, FullCheckpoints
-from jaxtrain.checkpoints.checkpointer import ALL_ITEMS, CheckpointError, Checkpointer, IncompatibleCheckpoint
+from jaxtrain.checkpoints.checkpointer import (ALL_ITEMS, CheckpointError, Checkpointer, CorruptCheckpoint,
+                                               IncompatibleCheckpoint)
 from jaxtrain.checkpoints.compatibility import roles_changed_line
 from jaxtrain.training.config import Experiment
 from jaxtrain.training.config_types import check_config_types
@@ -111,7 +112,7 @@ class Trainer:
         checkpoint (checked to hold this model's shapes), or freshly initialized."""
         c = self.exp.checkpoint
         latest = checkpointer.latest_step()
-        on_base = latest is not None and bool((checkpointer.manifest(latest) or {}).get(BASE_KEY))
+        on_base = latest is not None and _recorded_base(checkpointer, latest) is not None
         if isinstance(checkpointer.saves, AdapterCheckpoints) and not on_base:
             return self._start_on_base(checkpointer.saves)
         if latest is not None and not on_base:  # (adapter steps hold a part: the restore checks it)
@@ -156,7 +157,7 @@ class Trainer:
         own = Checkpointer(checkpoint_dir, keep=None, async_save=False)
         try:
             latest = own.latest_step()
-            recorded = (own.manifest(latest) or {}).get(BASE_KEY) if latest is not None else None
+            recorded = _recorded_base(own, latest) if latest is not None else None
         finally:
             own.close()
         if self.exp.lora_base is not None:
@@ -288,3 +289,13 @@ def audit_params(setup, max_replicated: float | None):
             raise ShardingAuditError(f"{e} (ObserveConfig.max_replicated={max_replicated:g}): lay the parameters "
                                      f"out with more sharding (e.g. rules=fsdp) or raise the bound") from None
     return report
+
+
+def _recorded_base(checkpointer: Checkpointer, step: int) -> dict | None:
+    """The base recorded by `step` (a step of adapters), else None; a step whose metadata cannot
+    be read is left to restore_latest, which names it and falls back to an older step."""
+    try:
+        manifest = checkpointer.manifest(step) or {}
+    except CorruptCheckpoint:
+        return None
+    return manifest.get(BASE_KEY) or None
