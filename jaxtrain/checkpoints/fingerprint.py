@@ -45,30 +45,38 @@ def _bits(x, xp):
 def _leaf_sums(x, index, xp):
     """The two sums for elements `x` whose flat global indices are `index` (uint32 arrays)."""
     bits = _bits(x, xp)
-    out = []
-    for key in _KEYS:
-        h = _mix(bits ^ _mix(index, key ^ 0xA5A5A5A5, xp), key, xp)
-        out.append(h.sum(dtype=xp.uint32))
-    return out
+    hashes = [_mix(bits ^ _mix(index, key ^ 0xA5A5A5A5, xp), key, xp) for key in _KEYS]
+    if xp is not jnp:
+        return [h.sum(dtype=xp.uint32) for h in hashes]
+    # One reduction of both hashes, which XLA fuses with the hashing: nothing of the leaf's size is
+    # materialized. Summed one by one, XLA:CPU rewrites each long sum as a windowed one over its
+    # materialized input (a uint32 array of the leaf's size per key) and schedules every leaf's
+    # at once: twice the whole state's bytes in temp memory at each save and restore.
+    zero = jnp.uint32(0)
+    return list(jax.lax.reduce(tuple(hashes), (zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1]),
+                               tuple(range(x.ndim))))
+
+
+def _global_index(shape):
+    """Flat global indices built in the leaf's own shape (no reshape, which would regather a
+    sharded array)."""
+    index = jnp.zeros(shape, jnp.uint32)
+    for dim, stride in enumerate(_strides(shape)):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, dim) * jnp.uint32(stride % 2**32)
+    return index
 
 
 def _device_leaf(x):
-    """Indices built in the leaf's own shape (no reshape, which would regather a sharded array)."""
     if x.size == 0:
         return jnp.zeros((2,), jnp.uint32)
-    index = jnp.zeros(x.shape, jnp.uint32)
-    for dim, stride in enumerate(_strides(x.shape)):
-        index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, dim) * jnp.uint32(stride % 2**32)
-    return jnp.stack(_leaf_sums(x, index, jnp))
+    return jnp.stack(_leaf_sums(x, _global_index(x.shape), jnp))
 
 
 def offset_sums(x, rows_before):
     """The two sums of `x` as row `rows_before` of a stack [rows, *x.shape] (traced or not):
     its elements' global indices start at rows_before * x.size. Summed over every row (modulo
     2**32) they equal the stack's fingerprint sums."""
-    index = jnp.zeros(x.shape, jnp.uint32) + jnp.asarray(rows_before, jnp.uint32) * jnp.uint32(x.size % 2**32)
-    for dim, stride in enumerate(_strides(x.shape)):
-        index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, dim) * jnp.uint32(stride % 2**32)
+    index = _global_index(x.shape) + jnp.asarray(rows_before, jnp.uint32) * jnp.uint32(x.size % 2**32)
     return jnp.stack(_leaf_sums(x, index, jnp))
 
 
