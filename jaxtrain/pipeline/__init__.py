@@ -23,15 +23,19 @@ from __future__ import annotations
 from jaxtrain.pipeline.config import PipelineConfig
 from jaxtrain.pipeline.gradients import PipelinedGradients
 from jaxtrain.pipeline.staged_state import StagedState
+from jaxtrain.training.trained_params import AllParams
 
 
-def build_pipeline(model_cfg, plan, tx, mesh, rules, loss) -> tuple[StagedState, PipelinedGradients, str]:
+def build_pipeline(model_cfg, plan, tx, mesh, rules, loss,
+                   trained=AllParams()) -> tuple[StagedState, PipelinedGradients, str]:
     """(state layout, gradient strategy, a one-line summary for the log) of a pipelined run of
-    `plan` (a ParallelPlan, validated) with `loss`'s settings (a LossConfig)."""
+    `plan` (a ParallelPlan, validated) with `loss`'s settings (a LossConfig), differentiating
+    the `trained` parameters (jaxtrain/training/trained_params.py)."""
     stages, pipeline = mesh.shape["pipeline"], plan.pipeline
     state = StagedState(model_cfg, tx, mesh, rules, pipeline.plan(model_cfg, stages))
     gradients = PipelinedGradients(state.graphdef, state.layout, pipeline.schedule, remat=pipeline.remat,
-                                   loop=pipeline.stage_loop, microbatches=plan.microbatches, loss_chunk=loss.loss_chunk, z_loss=loss.z_loss)
+                                   loop=pipeline.stage_loop, microbatches=plan.microbatches, loss_chunk=loss.loss_chunk, z_loss=loss.z_loss,
+                                   trained=trained)
     stage_plan = state.layout.plan
     padding = {"/".join(k[1:]): p for k, p in stage_plan.padding().items() if any(p)}
     summary = (f"pipeline {type(pipeline.schedule).__name__}, {stages} stages x {stage_plan.repeats} passes, "

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.pipeline.layout import PipelineLayout
+from jaxtrain.training.trained_params import AllParams
 from jaxtrain.microbatching import split_microbatches, training_loss
 from meshes.context_layout import to_device_order
 from meshes.pipeline import run_pipeline
@@ -29,8 +30,11 @@ from models.stage_program import StageProgram
 
 class PipelinedGradients:
     def __init__(self, graphdef, layout: PipelineLayout, schedule, *, microbatches: int, loss_chunk: int,
-                 z_loss: float, remat: str = "none", loop: str = "auto"):
+                 z_loss: float, remat: str = "none", loop: str = "auto", trained=AllParams()):
+        """`trained`: which parameters get gradients (jaxtrain/training/trained_params.py; its
+        paths are the same in the stage layout); the gradient tree is theirs."""
         self.graphdef, self.layout, self.schedule, self.loop = graphdef, layout, schedule, loop
+        self.trained = trained
         self.microbatches, self.loss_chunk, self.z_loss, self.remat = microbatches, loss_chunk, z_loss, remat
         self.stages = layout.plan.stages
         self.bubble = schedule.bubble_fraction(self.stages, microbatches)
@@ -69,7 +73,12 @@ class PipelinedGradients:
         return training_loss(sums, aux, total_tokens, self.microbatches), (sums, aux)
 
     def __call__(self, params, batch, total_tokens):
-        (_, (sums, aux)), grads = jax.value_and_grad(self._loss, has_aux=True)(params, batch, total_tokens)
+        trained, rest = self.trained.split(params)
+
+        def loss(trained):
+            return self._loss(self.trained.merge(rest, trained), batch, total_tokens)
+
+        (_, (sums, aux)), grads = jax.value_and_grad(loss, has_aux=True)(trained)
         return grads, sums, aux
 
     def metrics(self, aux) -> dict:

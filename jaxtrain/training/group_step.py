@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.training.device_groups import GROUP_AXIS, BatchShares, GroupLayout
 from jaxtrain.training.step import AccumulatedGradients, eval_sums, loss_tokens, make_update
+from jaxtrain.training.trained_params import AllParams
 from meshes.context_layout import ContextParallel, use_context_parallel
 from meshes.rules import RuleSet, use_rules
 
@@ -35,10 +36,12 @@ def _sum_over_groups(tree):
     return jax.tree.map(lambda x: x.sum(0), tree)
 
 
-def group_gradients(shares: BatchShares, graphdef, *, loss_chunk: int, z_loss: float) -> list[AccumulatedGradients]:
-    """Each group's gradient strategy: its own microbatches, the aux loss over all of them."""
+def group_gradients(shares: BatchShares, graphdef, *, loss_chunk: int, z_loss: float,
+                    trained=AllParams()) -> list[AccumulatedGradients]:
+    """Each group's gradient strategy: its own microbatches, the aux loss over all of them, the
+    gradient of the `trained` parameters (jaxtrain/training/trained_params.py)."""
     return [AccumulatedGradients(graphdef, microbatches=m, step_microbatches=shares.total_microbatches,
-                                 loss_chunk=loss_chunk, z_loss=z_loss) for m in shares.microbatches]
+                                 loss_chunk=loss_chunk, z_loss=z_loss, trained=trained) for m in shares.microbatches]
 
 
 class GroupedTrainStep:
@@ -47,7 +50,8 @@ class GroupedTrainStep:
 
     def __init__(self, layout: GroupLayout, gradients: list[AccumulatedGradients], graphdef, tx, schedule, *,
                  rules: RuleSet, state_shardings, batch_shardings: dict,
-                 context_parallel: ContextParallel = ContextParallel()):
+                 context_parallel: ContextParallel = ContextParallel(), trained=AllParams()):
+        """`trained`: the parameters the groups' gradients are for (the update leaves the rest)."""
         self.layout = layout
         params_shardings = state_shardings.params
         self._count, self._gradients = {}, {}
@@ -55,7 +59,8 @@ class GroupedTrainStep:
             mesh = layout.meshes[g]
             replicated = NamedSharding(mesh, PartitionSpec())
             params = layout.group_shardings(params_shardings, g)
-            grads = jax.tree.map(lambda s, mesh=mesh: NamedSharding(mesh, PartitionSpec(None, *s.spec)), params)
+            grads = jax.tree.map(lambda s, mesh=mesh: NamedSharding(mesh, PartitionSpec(None, *s.spec)),
+                                 trained.select(params))
 
             def gradients_of_group(params, batch, total_tokens, mesh=mesh, gradients=gradients[g]):
                 with use_rules(mesh, rules), use_context_parallel(context_parallel):
@@ -70,12 +75,12 @@ class GroupedTrainStep:
         everywhere = NamedSharding(layout.mesh, PartitionSpec())
         by_group = NamedSharding(layout.mesh, PartitionSpec(GROUP_AXIS))
         stacked_grads = jax.tree.map(lambda s: NamedSharding(layout.mesh, PartitionSpec(GROUP_AXIS, *s.spec)),
-                                     params_shardings)
+                                     trained.select(params_shardings))
         self._total_tokens = jax.jit(lambda counts: loss_tokens(counts.sum()), in_shardings=(by_group,),
                                      out_shardings=everywhere)
         # With the parameters' layouts the update's norms are one collective each (step.make_update)
         update = make_update(graphdef, tx, schedule, rules=rules, opt_state_shardings=state_shardings.opt_state,
-                             params_shardings=params_shardings)
+                             params_shardings=params_shardings, trained=trained)
         metrics_of = gradients[0].metrics  # every group's strategy averages over all M microbatches
 
         def apply(state, grads, sums, aux, total_tokens):

@@ -144,7 +144,8 @@ def make_update(graphdef, tx, schedule, *, rules: RuleSet, opt_state_shardings, 
                 # update is elementwise per layer either way)
                 model = nnx.merge(graphdef, new_params)
                 model.after_update(aux)
-                new_params = nnx.to_pure_dict(nnx.state(model))
+                # an untrained parameter (a frozen base's router bias) stays as it was
+                new_params = trained.merge(params, trained.select(nnx.to_pure_dict(nnx.state(model))))
             return new_params, opt_state
 
         nll, z, correct = sums

@@ -24,7 +24,7 @@ from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.training.run_configs import LossConfig
 from jaxtrain.training.state import TrainState, optimizer_roles
 from jaxtrain.training.state_layouts import CanonicalState
-from jaxtrain.training.trained_params import AllParams, trained_params
+from jaxtrain.training.trained_params import trained_params
 from jaxtrain.training.step import BATCH_KEYS, AccumulatedGradients, batch_shardings, make_eval_step, make_train_step
 from meshes.mesh import build_mesh
 from meshes.rules import RuleSet
@@ -179,8 +179,7 @@ def build_train_setup(model_cfg, plan: ParallelPlan, train, optimizer: Optimizer
     trained = trained_params(roles)  # all parameters, or the adapters alone (models/lora.py)
     tx, lr_schedule = make_optimizer(optimizer, train.steps, roles)
     if mesh.shape["pipeline"] > 1:
-        _check_all_trained(trained, f"pipeline={mesh.shape['pipeline']}")
-        state, gradients, summary = build_pipeline(model_cfg, plan, tx, mesh, rules, loss)
+        state, gradients, summary = build_pipeline(model_cfg, plan, tx, mesh, rules, loss, trained)
     else:
         state = CanonicalState(model_cfg, tx, mesh, rules)
         gradients = AccumulatedGradients(state.graphdef, microbatches=plan.microbatches, loss_chunk=loss.loss_chunk,
@@ -209,25 +208,20 @@ def _build_grouped_train_setup(model_cfg, plan: ParallelPlan, train, optimizer: 
                   platform=layout.mesh.devices.flat[0].platform)
     rules = plan.rule_set()
     roles = optimizer_roles(model_cfg)
-    _check_all_trained(trained_params(roles), "device groups")
+    trained = trained_params(roles)  # all parameters, or the adapters alone (models/lora.py)
     tx, lr_schedule = make_optimizer(optimizer, train.steps, roles)
     state = CanonicalState(model_cfg, tx, layout.mesh, rules)
-    gradients = group_gradients(shares, state.graphdef, loss_chunk=loss.loss_chunk, z_loss=loss.z_loss)
+    gradients = group_gradients(shares, state.graphdef, loss_chunk=loss.loss_chunk, z_loss=loss.z_loss,
+                                trained=trained)
     bsh = {g: batch_shardings(mesh, rules, rows, train.seq_len) for g, (mesh, rows) in
            enumerate(zip(layout.meshes, shares.rows))}
     cp = plan.context_parallel
     train_step = GroupedTrainStep(layout, gradients, state.graphdef, tx, lr_schedule, rules=rules,
-                                  state_shardings=state.shardings, batch_shardings=bsh, context_parallel=cp)
+                                  state_shardings=state.shardings, batch_shardings=bsh, context_parallel=cp,
+                                  trained=trained)
     eval_step = GroupedEvalStep(layout, gradients, rules=rules, params_shardings=state.shardings.params,
                                 batch_shardings=bsh, context_parallel=cp)
     summary = (f"{layout.count} device groups of {layout.meshes[0].size} devices, rows {shares.rows} of each batch "
                f"in microbatches of {shares.microbatch_rows} ({shares.microbatches})")
     return GroupedTrainSetup(plan, layout.mesh, rules, tx, lr_schedule, state, gradients, bsh, train_step, eval_step,
                              summary, layout=layout, shares=shares)
-
-
-def _check_all_trained(trained, where: str) -> None:
-    # The pipelined and the grouped gradients differentiate every parameter still: a frozen base
-    # there would silently get gradients it then drops.
-    if not isinstance(trained, AllParams):
-        raise ValueError(f"a run with untrained parameters (adapters, models/lora.py) is not supported with {where} yet")
