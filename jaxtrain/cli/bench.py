@@ -67,7 +67,8 @@ def format_row(name: str, r: dict) -> str:
         fields += [f"step {1e3 * r['step_time_s']:8.1f} ms", f"{r['tokens_per_sec']:9.0f} tok/s", f"MFU {mfu}"]
     if "bubble" in r:
         fields.append(f"bubble {r['bubble']:.3f}")
-    fields += [f"args {r.get('argument_gb', 0):.3f} GB", f"out {r.get('output_gb', 0):.3f} GB",
+    fields += [f"args {r.get('argument_gb', 0):.3f} GB (params {r.get('params_gb', 0):.3f}, "
+               f"optimizer {r.get('opt_state_gb', 0):.3f})", f"out {r.get('output_gb', 0):.3f} GB",
                f"temp {r.get('temp_gb', 0):.3f} GB", f"compile {r['compile_s']:.1f}s"]
     typed = " ".join(f"{op}:{dtype}:{v['count']}/{v['bytes'] / 2**20:.1f}MiB"
                      for (op, dtype), v in sorted(r.get("partitioned", {}).items()))
