@@ -81,7 +81,9 @@ DEEPSEEK_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", sorted(DEEPSEEK_LAYOUTS))
+# the tensor-parallel layout runs in `make test-extended` (the suite's budget)
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.extended] if "tensor2" in name else [])
+                                    for name in sorted(DEEPSEEK_LAYOUTS)])
 def test_deepseek_mla_context_parallel_matches_one_device(deepseek_single, deepseek_init, layout):
     mesh_cfg, rules = DEEPSEEK_LAYOUTS[layout]
     ref_losses, ref_params = deepseek_single
@@ -121,7 +123,7 @@ def hybrid_single():
 
 # The 3-axis hybrid case runs in `make test-extended` (the suite's budget); folded experts under
 # context stay covered here by the DeepSeek case.
-EXTENDED_HYBRID = {("nemotron_h", "context2_folded_experts_fsdp_tensor2_data4")}
+EXTENDED_HYBRID = {("nemotron_h", "context2_folded_experts_fsdp_tensor2_data4"), ("nemotron_h", "context4_data4")}
 
 
 @pytest.mark.parametrize("name, layout", [

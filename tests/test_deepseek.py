@@ -33,11 +33,11 @@ LAYOUTS = {
 }
 
 
-# All 16 devices on experts and expert-tensor parallelism under plain data parallelism run in
-# `make test-extended` (the suite's budget); expert4_data4 keeps expert parallelism (all-to-all
-# dispatch) with data beside it in the suite, fsdp_expert_tensor_parallel the experts' hidden split
-# over tensor.
-EXTENDED_LAYOUTS = {"expert16", "expert_tensor_parallel"}
+# All 16 devices on experts, expert-tensor parallelism under plain data parallelism and expert=4
+# beside data=4 run in `make test-extended` (the suite's budget); in the suite,
+# fsdp_expert_tensor_parallel keeps expert parallelism (all-to-all dispatch) with the experts' hidden
+# split over tensor, folded_reference_shape the experts folded over data.
+EXTENDED_LAYOUTS = {"expert16", "expert_tensor_parallel", "expert4_data4"}
 
 
 @pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.extended] if name in EXTENDED_LAYOUTS else [])

@@ -44,7 +44,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+# the pipeline=4 case runs in `make test-extended` (the suite's budget): the two-stage cases, one
+# of them uneven with layer remat, stay in the suite
+@pytest.mark.parametrize("case", [pytest.param(name, marks=[pytest.mark.extended] if name == "pipeline4_interleaved_fsdp_data2_expert2" else [])
+                                  for name in sorted(CASES)])
 def test_pipelined_nemotron_h_matches_one_device(reference, case):
     mesh_cfg, rules, pipeline = CASES[case]
     params0, ref_losses, ref_params = reference

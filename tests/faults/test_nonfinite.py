@@ -14,7 +14,9 @@ from cli_runs import EVERY_3, losses, rows, steps_on_disk, train
 from jaxtrain.resilience import exit_codes
 from jaxtrain.training.state import TrainState
 
-pytestmark = [pytest.mark.slow, pytest.mark.end_to_end]
+# Process-level runs (the suite's budget): `make test-extended`, which CI runs after the suite; the
+# parts they put together are tested in tests/faults/test_resilience_parts.py.
+pytestmark = [pytest.mark.slow, pytest.mark.end_to_end, pytest.mark.extended]
 
 POISONED = 4  # batch 4 (0-based) is step 5's
 EVERY = EVERY_3

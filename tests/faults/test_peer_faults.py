@@ -10,7 +10,9 @@ from cli_runs import steps_on_disk
 from jaxtrain.resilience import exit_codes
 from live_runs import Live, process_args, reserved_port, running
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.end_to_end]
+# Process-level runs (the suite's budget): `make test-extended`, which CI runs after the suite; the
+# parts they put together are tested in tests/faults/test_resilience_parts.py.
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.end_to_end, pytest.mark.extended]
 
 T = 15  # ResilienceConfig.peer_timeout_s for these runs
 HOST = socket.gethostname()

@@ -13,7 +13,9 @@ from cli_runs import losses, steps_on_disk, train, train_args
 from jaxtrain.resilience import exit_codes
 from live_runs import Live, process_args, reserved_port, running
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.end_to_end]
+# Process-level runs (the suite's budget): `make test-extended`, which CI runs after the suite; the
+# parts they put together are tested in tests/faults/test_resilience_parts.py.
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.end_to_end, pytest.mark.extended]
 
 STEPS = 12
 SLOW = {"FAULT_STEP_SLEEP": "0.3"}  # every step sleeps first, so a signal lands inside one
