@@ -9,6 +9,9 @@
         a LoRA run's adapters -> a peft adapter directory (PeftModel.from_pretrained(base, OUT)).
     python -m jaxtrain.convert --workdir=W --hf_out=OUT --merge_adapters
         a LoRA run with its adapters merged into the base's weights -> an HF directory.
+    python -m jaxtrain.convert --hf_adapter_dir=ADAPTER --lora_base=B --workdir=W
+        a peft adapter directory -> W/checkpoints/0 (adapters on the base converted in B) and
+        W/config.gin; python -m jaxtrain.train --gin_file=W/config.gin --workdir=W trains them on.
 
 Neither direction builds the model in host memory: tensors are read, rearranged and written
 one layer at a time. The peak resident memory is printed at the end.
@@ -182,6 +185,128 @@ def merged_to_hf(workdir: str, out: str, *, step: int | None = None, gin_files=(
     return step
 
 
+def _adapter_shapes(config) -> dict[str, tuple[tuple, tuple]]:
+    """{kernel path: (A's shape, B's shape)} of the adapters on single projections in `config`'s model."""
+    from flax import nnx
+
+    from jaxtrain.hf.trees import flatten
+    from jaxtrain.training.state import abstract_model
+
+    flat = flatten(nnx.to_pure_dict(abstract_model(config)[1]))
+    suffix = "/adapter/a"
+    return {p[:-len(suffix)] + "/kernel": (tuple(flat[p].shape), tuple(flat[p[:-1] + "b"].shape))
+            for p in flat if p.endswith(suffix)}
+
+
+# peft adapter settings a plain LoRA on our targets reproduces: anything else is refused by name
+_PEFT_PLAIN = {"peft_type": "LORA", "bias": "none", "fan_in_fan_out": False, "use_dora": False}
+
+
+def _read_peft_dir(adapter_dir: str) -> tuple[dict, dict]:
+    """(adapter_config.json, {tensor name: array}) of a peft adapter directory."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    config_path = os.path.join(adapter_dir, "adapter_config.json")
+    weights_path = os.path.join(adapter_dir, "adapter_model.safetensors")
+    for path in (config_path, weights_path):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{adapter_dir} is not a peft adapter directory: no {os.path.basename(path)}")
+    with open(config_path) as f:
+        config = json.load(f)
+    for key, plain in _PEFT_PLAIN.items():
+        if config.get(key, plain) != plain:
+            raise ValueError(f"{config_path}: {key}={config[key]!r}; jaxtrain imports plain LoRA adapters "
+                             f"({key}={plain!r})")
+    for key in ("modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform", "target_parameters"):
+        if config.get(key):
+            raise ValueError(f"{config_path}: {key}={config[key]!r} is not supported by the adapter import")
+    return config, load_file(weights_path)
+
+
+def peft_to_adapters(adapter_dir: str, workdir: str, base_workdir: str) -> str:
+    """Writes a peft adapter directory as a LoRA run's first checkpoint, W/checkpoints/0 (the
+    adapters, on the base converted in `base_workdir`), and W/config.gin (the base's model with
+    the adapter's LoraConfig and Experiment.lora_base); returns the config.gin path. Training in
+    W continues the adapters with a fresh optimizer."""
+    import jax
+    import gin
+
+    from jaxtrain.checkpoints.adapter_base import AdapterCheckpoints
+    from jaxtrain.checkpoints.checkpointer import CONVERTED, Checkpointer, base_record
+    from jaxtrain.hf.adapters import PEFT_PREFIX, adapters_from_peft, peft_modules
+    from jaxtrain.hf.exporter import ExportPlan
+    from jaxtrain.hf.registry import family_for_config
+    from jaxtrain.hf.trees import unflatten
+    from jaxtrain.training.trained_params import SomeParams
+    from models.family import family_of
+    from models.lora import LoraConfig, with_lora
+
+    peft_config, tensors = _read_peft_dir(adapter_dir)
+    checkpoints = os.path.join(workdir, "checkpoints")
+    if os.path.isdir(checkpoints) and any(d.isdigit() for d in os.listdir(checkpoints)):
+        raise FileExistsError(f"{checkpoints} already holds steps; import the adapters into a fresh workdir")
+    base_gin = os.path.join(base_workdir, "config.gin")
+    try:
+        base_cfg = model_config_from_gin([base_gin])
+    finally:
+        gin.clear_config()
+    if hasattr(base_cfg, "lora"):
+        raise ValueError(f"{base_workdir} is a LoRA run; --lora_base names a converted base model's workdir")
+    base = base_record(os.path.join(base_workdir, "checkpoints"), what="the base (--lora_base)")
+    rank, alpha = int(peft_config["r"]), float(peft_config["lora_alpha"])
+    if peft_config.get("lora_dropout"):
+        print(f"note: {adapter_dir} was trained with lora_dropout={peft_config['lora_dropout']}; jaxtrain's adapters "
+              f"train on without dropout", file=sys.stderr, flush=True)
+    use_rslora = bool(peft_config.get("use_rslora", False))
+    plan = ExportPlan(family_for_config(base_cfg), base_cfg, "float32")
+    names = {k[len(PEFT_PREFIX):-len(".lora_A.weight")] for k in tensors if k.endswith(".lora_A.weight")}
+    targets, placed = [], set()
+    for target in dict(family_of(base_cfg).adapter_targets):  # which of our targets the file adapts
+        try:
+            shapes = _adapter_shapes(with_lora(base_cfg, LoraConfig(rank=rank, alpha=alpha, targets=(target,))))
+            modules = set().union(*peft_modules(plan, shapes).values()) if shapes else set()
+        except ValueError:  # the model lacks it, or its HF tensor is fused: not importable
+            continue
+        found = modules & names
+        if modules and found == modules:
+            targets.append(target)
+            placed |= modules
+        elif found:
+            raise ValueError(f"{adapter_dir} adapts {len(found)} of the {len(modules)} modules of target {target!r} "
+                             f"(e.g. {sorted(found)[0]}); jaxtrain's adapters cover all of a target's modules")
+    unplaced = sorted(names - placed)
+    if unplaced:
+        raise ValueError(f"{adapter_dir} adapts {unplaced[0]}, which no importable target of model family "
+                         f"{family_of(base_cfg).name!r} places ({len(unplaced)} such modules)")
+    lora = LoraConfig(rank=rank, alpha=alpha, targets=tuple(targets), use_rslora=use_rslora)
+    shapes = _adapter_shapes(with_lora(base_cfg, lora))
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    flat = {}
+    for kernel_path, (a, b) in adapters_from_peft(plan, shapes, tensors).items():
+        prefix = kernel_path[:-len("kernel")] + "adapter/"
+        flat[prefix + "a"], flat[prefix + "b"] = jax.device_put(a, one), jax.device_put(b, one)
+    part = SomeParams(frozenset(tuple(p.split("/")) for p in flat))
+    checkpointer = Checkpointer(checkpoints, keep=None, async_save=False, saves=AdapterCheckpoints(base, part))
+    try:
+        checkpointer.save(DEFAULT_STEP, {"params": unflatten(flat)}, extra={"kind": CONVERTED})
+    finally:
+        checkpointer.close()
+    with open(base_gin) as f:
+        model_lines = f.read()
+    gin_path = os.path.join(workdir, "config.gin")
+    with open(gin_path, "w") as f:
+        f.write(f"# LoRA adapters imported by `python -m jaxtrain.convert` from {os.path.abspath(adapter_dir)} (peft),\n"
+                f"# on the base model converted in {os.path.abspath(base_workdir)}; the base's config follows.\n"
+                f"#   python -m jaxtrain.train --gin_file=<this file> [--gin_file=...] --workdir=<this dir>\n\n"
+                f"{model_lines.rstrip()}\n\n"
+                f"Experiment.lora = @LoraConfig()\nLoraConfig.rank = {rank}\nLoraConfig.alpha = {alpha!r}\n"
+                f"LoraConfig.targets = {tuple(targets)!r}\nLoraConfig.use_rslora = {use_rslora}\n"
+                f"Experiment.lora_base = {os.path.abspath(base_workdir)!r}\n")
+    return gin_path
+
+
 def peak_rss_mb() -> float:
     """This process's resident-memory high-water mark. VmHWM, where Linux has it, counts only
     this program; getrusage's maxrss also keeps whatever the launching process had at fork."""
@@ -220,6 +345,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hf_dir", help="HF model directory to import")
     parser.add_argument("--hf_out", help="HF model directory to export to")
     parser.add_argument("--hf_adapter_out", help="peft adapter directory to export a LoRA run's adapters to")
+    parser.add_argument("--hf_adapter_dir", help="peft adapter directory to import as a LoRA run (with --lora_base)")
+    parser.add_argument("--lora_base", default=None, help="adapter import: the converted base model's workdir")
     parser.add_argument("--merge_adapters", action="store_true",
                         help="export (--hf_out): a LoRA run's adapters merged into the base's weights")
     parser.add_argument("--hf_base", default=None,
@@ -230,8 +357,11 @@ def main(argv=None) -> int:
     parser.add_argument("--hf_dtype", default=None, help="export: weight dtype on disk (float32, bfloat16, float16)")
     parser.add_argument("--max_shard_gb", type=float, default=None, help="export: safetensors shard size")
     args = parser.parse_args(argv)
-    if sum(map(bool, (args.hf_dir, args.hf_out, args.hf_adapter_out))) != 1:
-        parser.error("give exactly one of --hf_dir (import), --hf_out (export) or --hf_adapter_out (adapter export)")
+    if sum(map(bool, (args.hf_dir, args.hf_out, args.hf_adapter_out, args.hf_adapter_dir))) != 1:
+        parser.error("give exactly one of --hf_dir (import), --hf_out (export), --hf_adapter_out (adapter export) "
+                     "or --hf_adapter_dir (adapter import)")
+    if bool(args.hf_adapter_dir) != bool(args.lora_base):
+        parser.error("--hf_adapter_dir (a peft adapter to import) and --lora_base (the base's workdir) go together")
     if args.merge_adapters and not args.hf_out:
         parser.error("--merge_adapters goes with --hf_out")
 
@@ -246,6 +376,10 @@ def _convert(args) -> int:
         if args.hf_dir:
             gin_path = hf_to_checkpoint(args.hf_dir, args.workdir)
             print(f"wrote {os.path.join(args.workdir, 'checkpoints', str(DEFAULT_STEP))} and {gin_path}")
+        elif args.hf_adapter_dir:
+            gin_path = peft_to_adapters(args.hf_adapter_dir, args.workdir, args.lora_base)
+            print(f"wrote {os.path.join(args.workdir, 'checkpoints', str(DEFAULT_STEP))} (adapters on {args.lora_base}) "
+                  f"and {gin_path}")
         elif args.hf_adapter_out:
             step = adapters_to_peft(args.workdir, args.hf_adapter_out, step=args.step, gin_files=args.gin_file,
                                     gin_params=args.gin_param, base_name=args.hf_base)

@@ -1,7 +1,7 @@
 """Pipeline parallelism, one idea: the layer stacks cut into stages over the `pipeline` axis,
 microbatches flowing through them in one SPMD program.
 
-Entry point: `build_pipeline(model_cfg, plan, tx, mesh, rules, loss)` (below), which the one
+Entry point: `build_pipeline(model_cfg, plan, tx, mesh, rules, loss, trained)` (below), which the one
 assembly function (jaxtrain/training/train_setup.py) calls when the mesh has pipeline > 1. It
 returns the two strategies a pipelined run swaps in, with the interfaces of the unpipelined
 ones:
@@ -23,11 +23,9 @@ from __future__ import annotations
 from jaxtrain.pipeline.config import PipelineConfig
 from jaxtrain.pipeline.gradients import PipelinedGradients
 from jaxtrain.pipeline.staged_state import StagedState
-from jaxtrain.training.trained_params import AllParams
 
 
-def build_pipeline(model_cfg, plan, tx, mesh, rules, loss,
-                   trained=AllParams()) -> tuple[StagedState, PipelinedGradients, str]:
+def build_pipeline(model_cfg, plan, tx, mesh, rules, loss, trained) -> tuple[StagedState, PipelinedGradients, str]:
     """(state layout, gradient strategy, a one-line summary for the log) of a pipelined run of
     `plan` (a ParallelPlan, validated) with `loss`'s settings (a LossConfig), differentiating
     the `trained` parameters (jaxtrain/training/trained_params.py)."""

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.pipeline.layout import PipelineLayout
-from jaxtrain.training.trained_params import AllParams
 from jaxtrain.microbatching import split_microbatches, training_loss
 from meshes.context_layout import to_device_order
 from meshes.pipeline import run_pipeline
@@ -30,7 +29,7 @@ from models.stage_program import StageProgram
 
 class PipelinedGradients:
     def __init__(self, graphdef, layout: PipelineLayout, schedule, *, microbatches: int, loss_chunk: int,
-                 z_loss: float, remat: str = "none", loop: str = "auto", trained=AllParams()):
+                 z_loss: float, trained, remat: str = "none", loop: str = "auto"):
         """`trained`: which parameters get gradients (jaxtrain/training/trained_params.py; its
         paths are the same in the stage layout); the gradient tree is theirs."""
         self.graphdef, self.layout, self.schedule, self.loop = graphdef, layout, schedule, loop
