@@ -255,7 +255,9 @@ DEEPSEEK_LAYOUTS = {"one_device": "data=1",
                     "groups6_2_data2_tensor2": "data=2,tensor=2,rules=fsdp,microbatches=4,groups=6/2"}
 
 
-@pytest.mark.parametrize("layout", DEEPSEEK_LAYOUTS)
+# the device groups run in `make test-extended` (the suite's budget)
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.extended] if name.startswith("groups") else [])
+                                    for name in DEEPSEEK_LAYOUTS])
 def test_deepseek_trajectory_matches_peft(deepseek, layout):
     config, base, adapters, reference = deepseek
     cfg = with_lora(config, LoraConfig(rank=RANK, alpha=ALPHA, targets=DEEPSEEK_TARGETS))
@@ -373,7 +375,10 @@ def nemotron(tmp_path_factory):
 NEMOTRON_LAYOUTS = {"one_device": "data=1", "data2_expert4_tensor2": "data=2,expert=4,tensor=2,rules=fsdp"}
 
 
-@pytest.mark.parametrize("layout", NEMOTRON_LAYOUTS)
+# the 16-device layout runs in `make test-extended` (the suite's budget; DeepSeek-V2's keep adapters
+# over expert and pipeline layouts in the suite)
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.extended] if name != "one_device" else [])
+                                    for name in NEMOTRON_LAYOUTS])
 def test_nemotron_h_trajectory_matches_peft(nemotron, layout):
     """Mamba-2 in_proj (one A over the five projections HF fuses) and out_proj, attention, MLP,
     shared and routed experts; the router's correction bias, a base parameter, stays put."""

@@ -68,7 +68,10 @@ def logits_and_grads(cfg, batch):
     return logits, grads, fn.trace(params).jaxpr
 
 
-@pytest.mark.parametrize("cfg", [TINY, TINY_HYBRID], ids=["deepseek", "nemotron_h"])
+# the hybrid runs in `make test-extended` (the suite's budget; its scan and conv kernels have their
+# own tests, tests/test_kernels_ssd_scan.py and the GPU check)
+@pytest.mark.parametrize("cfg", [TINY, pytest.param(TINY_HYBRID, marks=pytest.mark.extended)],
+                         ids=["deepseek", "nemotron_h"])
 def test_pallas_kernels_match_xla(cfg):
     """DeepSeek: routing + grouped matmul; Nemotron-H: also the SSD scan and causal conv (a
     packed batch with segment resets, length 24 not a multiple of the chunk)."""
