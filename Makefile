@@ -26,9 +26,11 @@ train: $(VENV)/.stamp
 test: $(VENV)/.stamp
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope -m "not reference_layout and not full_size and not extended" $(ARGS)
 
-# Process-level runs (hangs in each phase of a run, signals during start-up, resumes under a changed
-# optimizer, the GPU check's dry run, the profiler, the notebook; tests/conftest.py EXTENDED):
-# 42 tests; 17 min on two cores beside the reference and full-size lanes (2026-12-03), run by CI after the suite.
+# What `make test` leaves out for its time budget, each with a unit-level part or a model-level twin
+# in the suite: process-level runs (hangs in each phase of a run, signals, peer failures, non-finite
+# steps, resumes under a changed optimizer, the GPU check's dry run, the profiler, the notebook) and
+# further layouts of the suite's comparisons against one device. CI runs it after the suite; measured
+# times are in benchmarks/RESULTS.md.
 test-extended: $(VENV)/.stamp
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope -m "extended" $(ARGS)
 

@@ -115,17 +115,15 @@ def test_checkpoint_holds_adapters_on_a_recorded_base(bases, straight):
     assert arrays and all("/adapter/" in p for p in arrays)
     base = manifest["base"]
     assert base["directory"] == str(b["base"][1] / "checkpoints") and base["step"] == 0 and base["fingerprint"]
-    # the base's bytes are not in the run's checkpoint: its data files (metadata, whose size
-    # varies from save to save, left out) hold far fewer bytes than the base's arrays
-    data_bytes = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(workdir / "checkpoints" / str(step) /
-                                                                                  "params") for f in fs
-                     if os.path.basename(r) == "d")
+    # the base's arrays are not in the run's checkpoint: what it saved is a small part of the base
+    # (counted from the saved arrays' shapes: the bytes Orbax writes around them vary between saves)
     base_checkpointer = Checkpointer(str(b["base"][1] / "checkpoints"), keep=None, async_save=False)
     try:
-        base_bytes = 4 * sum(int(np.prod(shape)) for shape in base_checkpointer.saved_shapes(0).values())
+        base_shapes = base_checkpointer.saved_shapes(0)
     finally:
         base_checkpointer.close()
-    assert 0 < data_bytes < 0.5 * base_bytes, (data_bytes, base_bytes)
+    count = lambda shapes: sum(int(np.prod(shape)) for shape in shapes.values())
+    assert 0 < count(params) < 0.2 * count(base_shapes), (count(params), count(base_shapes))
 
 
 def test_resume_on_another_layout_equals_uninterrupted(bases, straight, tmp_path):
