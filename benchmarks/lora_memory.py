@@ -42,10 +42,12 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown:
         parser.error(f"unknown layout(s) {unknown}; choose from {', '.join(LAYOUTS)}")
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
-                               " --xla_backend_optimization_level=0").strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from jaxtrain.cli.launch import simulate_cpu_devices
+
+    simulate_cpu_devices(DEVICES)  # before jax starts
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"  # compile only: memory, not speed
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     import dataclasses
 
@@ -63,7 +65,6 @@ def main(argv=None) -> int:
     gin.clear_config()
     lora = dataclasses.replace(full, model=with_lora(full.model, LoraConfig(rank=args.rank, alpha=2.0 * args.rank,
                                                                             targets=TARGETS)))
-    gib = 2 ** 30
     print(f"# DeepSeek-V2-Lite, batch {full.train.global_batch} x {full.train.seq_len}, {jax.device_count()} "
           f"{jax.devices()[0].device_kind} devices, LoRA rank {args.rank} on {', '.join(TARGETS)}", flush=True)
     print("| layout | run | params / device | optimizer state / device | arguments / device | temp / device "

@@ -26,9 +26,11 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=16").strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from jaxtrain.cli.launch import simulate_cpu_devices
+
+    simulate_cpu_devices(16)  # before jax starts
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     import dataclasses
 

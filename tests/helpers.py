@@ -125,3 +125,26 @@ def bundled_config_files(name: str) -> list[str]:
     configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
     base = OVERLAY_CONFIGS.get(name)
     return ([os.path.join(configs, base)] if base else []) + [os.path.join(configs, name)]
+
+
+def torch_loss(model, batch) -> float:
+    """A torch causal LM's (transformers, peft) masked mean cross-entropy on one of our batches
+    (inputs, positions, targets, loss_mask): the reference our first training loss is held to."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(input_ids=torch.as_tensor(batch["inputs"], dtype=torch.long),
+                       position_ids=torch.as_tensor(batch["positions"], dtype=torch.long)).logits
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.as_tensor(batch["targets"]).long().flatten(),
+                                                reduction="none").numpy()
+    mask = batch["loss_mask"].reshape(-1)
+    return float((nll * mask).sum() / mask.sum())
+
+
+def transformers_loss(hf_dir, batch) -> float:
+    """torch_loss of the transformers model saved in `hf_dir`, in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return torch_loss(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True).eval(),
+                      batch)

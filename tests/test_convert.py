@@ -11,6 +11,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from helpers import transformers_loss
 from hf_tiny_models import save_tiny_llama
 from jaxtrain.checkpoints.checkpointer import Checkpointer, CorruptCheckpoint
 from jaxtrain.checkpoints.fingerprint import tree_fingerprints
@@ -151,20 +152,6 @@ def test_training_resumes_with_the_hf_models_loss(converted):
     batch = next(make_train_iterator(data, seq_len=SEQ_LEN, global_batch=BATCH, seed=exp.train.seed))
     assert batch["segment_ids"].max() == 1  # one document per row: plain causal attention is exact
     assert history[0]["loss"] == pytest.approx(transformers_loss(hf_dir, batch), rel=1e-5)
-
-
-def transformers_loss(hf_dir, batch) -> float:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True).eval()
-    with torch.no_grad():
-        logits = model(input_ids=torch.as_tensor(batch["inputs"], dtype=torch.long),
-                       position_ids=torch.as_tensor(batch["positions"], dtype=torch.long)).logits
-        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.as_tensor(batch["targets"]).long().flatten(),
-                                                reduction="none").numpy()
-    mask = batch["loss_mask"].reshape(-1)
-    return float((nll * mask).sum() / mask.sum())
 
 
 def test_export_round_trip_and_trained_step(converted, tmp_path):

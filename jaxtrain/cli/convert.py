@@ -28,6 +28,19 @@ import sys
 DEFAULT_STEP = 0
 
 
+def _steps(checkpoints: str) -> list[int]:
+    """The steps in a checkpoint directory, oldest first (none when it does not exist)."""
+    return sorted(int(d) for d in os.listdir(checkpoints) if d.isdigit()) if os.path.isdir(checkpoints) else []
+
+
+def _fresh(checkpoints: str, what: str) -> None:
+    """FileExistsError when `checkpoints` already holds steps: an import writes a fresh workdir."""
+    existing = _steps(checkpoints)
+    if existing:
+        raise FileExistsError(f"{checkpoints} already holds step(s) {[str(s) for s in existing]}; {what} into a "
+                              f"fresh workdir so nothing there is overwritten")
+
+
 def hf_to_checkpoint(hf_dir: str, workdir: str) -> str:
     """Writes W/checkpoints/0 and W/config.gin; returns the config.gin path."""
     from jaxtrain.hf.checkpoint_streaming import StreamedArray, save_streamed_params
@@ -38,10 +51,7 @@ def hf_to_checkpoint(hf_dir: str, workdir: str) -> str:
 
     plan = import_plan(hf_dir)  # checks config and tensors before the workdir is touched
     checkpoints = os.path.join(workdir, "checkpoints")
-    existing = [d for d in os.listdir(checkpoints) if d.isdigit()] if os.path.isdir(checkpoints) else []
-    if existing:
-        raise FileExistsError(f"{checkpoints} already holds step(s) {sorted(existing, key=int)}; "
-                              f"convert into a fresh workdir so nothing there is overwritten")
+    _fresh(checkpoints, "convert")
 
     def streamed(leaf):
         block_shape, regions = leaf.blocks(BLOCK_BYTES)
@@ -93,7 +103,7 @@ def checkpoint_to_hf(workdir: str, hf_out: str, *, step: int | None = None, gin_
         raise ValueError(f"{workdir} is a LoRA run: export it with --merge_adapters (a full model) or "
                          f"--hf_adapter_out (a peft adapter directory)")
     checkpoints = os.path.join(workdir, "checkpoints")
-    steps = sorted(int(d) for d in os.listdir(checkpoints) if d.isdigit()) if os.path.isdir(checkpoints) else []
+    steps = _steps(checkpoints)
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {checkpoints}")
     step = steps[-1] if step is None else step
@@ -113,7 +123,7 @@ def _lora_run(workdir: str, step: int | None, gin_files, gin_params, what: str):
         raise ValueError(f"{workdir} is not a LoRA run (its config binds no Experiment.lora): it has no adapters "
                          f"to {what}")
     checkpoints = os.path.join(workdir, "checkpoints")
-    steps = sorted(int(d) for d in os.listdir(checkpoints) if d.isdigit()) if os.path.isdir(checkpoints) else []
+    steps = _steps(checkpoints)
     step = steps[-1] if step is None and steps else step
     if step not in steps:
         raise FileNotFoundError(f"no step {step} in {checkpoints} (steps: {steps})" if steps
@@ -245,8 +255,7 @@ def peft_to_adapters(adapter_dir: str, workdir: str, base_workdir: str) -> str:
 
     peft_config, tensors = _read_peft_dir(adapter_dir)
     checkpoints = os.path.join(workdir, "checkpoints")
-    if os.path.isdir(checkpoints) and any(d.isdigit() for d in os.listdir(checkpoints)):
-        raise FileExistsError(f"{checkpoints} already holds steps; import the adapters into a fresh workdir")
+    _fresh(checkpoints, "import the adapters")
     base_gin = os.path.join(base_workdir, "config.gin")
     try:
         base_cfg = model_config_from_gin([base_gin])

@@ -21,15 +21,6 @@ def random_batch(exp) -> dict:
     return host
 
 
-def _bytes_per_device(tree) -> int:
-    """The bytes one device holds of an abstract tree (ShapeDtypeStructs with shardings)."""
-    import math
-
-    import jax
-
-    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
-
-
 def bench_layout(exp, plan, *, steps: int, compile_only: bool, max_replicated: float | None = None,
                  devices=None) -> dict:
     """`max_replicated`: fail the layout (ValueError) when more than this fraction of a
@@ -57,8 +48,8 @@ def bench_layout(exp, plan, *, steps: int, compile_only: bool, max_replicated: f
     out = {"compile_s": time.perf_counter() - t0, "devices": setup.mesh.size,
            "params_replicated_gb": audit.replicated_bytes_per_device / 2**30,
            "sharding_audit": audit.summary()}
-    for item in ("params", "opt_state"):  # the state's share of the arguments, per device
-        out[f"{item}_gb"] = _bytes_per_device(getattr(abstract, item)) / 2**30
+    out["params_gb"] = audit.bytes_per_device / 2**30  # the state's share of the arguments, per device
+    out["opt_state_gb"] = audit_sharding(abstract.opt_state, name="opt_state").bytes_per_device / 2**30
     mem = compiled.memory_analysis()
     if mem is not None:
         for name in ("argument", "output", "temp", "generated_code"):
