@@ -16,6 +16,15 @@ import sys
 from jaxtrain.cli.launch import add_common_flags, fail, start
 
 
+def harness_evaluator():
+    """The task evaluator ObserveConfig.eval_tasks needs; exit 2 naming the install without the harness."""
+    try:
+        from jaxtrain.harness.training import TrainingTaskEvaluator
+    except ImportError as e:
+        fail(f"ObserveConfig.eval_tasks needs lm-evaluation-harness ({e}): pip install 'jaxtrain[eval]'")
+    return TrainingTaskEvaluator
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxtrain.train", description=__doc__)
     add_common_flags(parser)
@@ -45,7 +54,11 @@ def _train(args, signals) -> int:
 
     try:
         exp = load_experiment()
-        trainer = Trainer(exp, args.workdir, config_text=gin.config_str(), sampler=TrainingSampler)
+        task_evaluator = None
+        if exp.observe.eval_tasks:  # the harness is imported only by runs that score tasks
+            task_evaluator = harness_evaluator()
+        trainer = Trainer(exp, args.workdir, config_text=gin.config_str(), sampler=TrainingSampler,
+                          task_evaluator=task_evaluator)
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
     try:  # the workdir (lock, config.gin, checkpoints) is written only from here on

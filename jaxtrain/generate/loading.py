@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 import jax
@@ -86,10 +87,17 @@ def load_workdir(workdir: str) -> Loaded:
     from jaxtrain.training.device_groups import one_mesh_program
     from jaxtrain.training.restore_latest import restore_latest_params
     from jaxtrain.training.train_setup import build_train_setup
+    from meshes.mesh import build_mesh
+    from meshes.rules import DATA_PARALLEL_AXES
 
     exp = load_experiment()
     plan, devices = one_mesh_program(exp.plan)  # device groups: one group's program
-    setup = build_train_setup(exp.model, plan, exp.train, exp.optimizer, devices, loss=exp.loss)
+    # Only the state is restored: the batch is sized to this mesh, whatever the run trained with
+    # (a run of 8 rows restores onto 16 devices to generate or score).
+    mesh_shape = dict(build_mesh(plan.mesh, devices).shape)
+    rows = math.prod(mesh_shape[a] for a in DATA_PARALLEL_AXES) * plan.microbatches
+    setup = build_train_setup(exp.model, plan, dataclasses.replace(exp.train, global_batch=rows), exp.optimizer,
+                              devices, loss=exp.loss)
     _, params = restore_latest_params(setup, workdir, exp.checkpoint.allow_unverified_restore)
     tokenizer = load_tokenizer(exp.data.tokenizer) if exp.data.tokenizer else None
     return Loaded(canonical_model(exp.model, params), setup.mesh, setup.rules, tokenizer, None)

@@ -68,8 +68,9 @@ class MetricsWriter:
         for k, v in clean.items():
             if v is not None and math.isfinite(v):
                 self.tb.add_scalar(f"{kind}/{k}", v, step)
+        headline = ("loss", "perplexity", "tokens_per_sec", "mfu")
         summary = " ".join(f"{k}={v:.4g}" for k, v in clean.items()
-                           if k in ("loss", "perplexity", "tokens_per_sec", "mfu") and v is not None)
+                           if (k in headline or kind == "tasks") and v is not None)
         if self.bar is not None:
             if kind == "train":
                 self.bar.update(step - self.bar.n)

@@ -101,6 +101,12 @@ class ObserveConfig:
     sample_every: int = 0
     sample_prompts: tuple[str, ...] = ()
     sample_tokens: int = 32
+    # lm-eval task (or group) names scored at every eval step and at the end (jaxtrain/harness/),
+    # logged as kind "tasks" ("task/metric" keys); tasks in eval_tasks_include_path are your own
+    # YAMLs; eval_tasks_limit caps the documents per task (a fraction below 1).
+    eval_tasks: tuple[str, ...] = ()
+    eval_tasks_include_path: str | None = None
+    eval_tasks_limit: float | None = None
     peak_flops_per_device: float | None = None  # overrides the device table for MFU
     # (start, stop): a jax.profiler trace of steps start..stop into <workdir>/profile (jaxtrain/observe/profiling.py)
     profile_steps: tuple[int, int] | None = None
@@ -117,6 +123,8 @@ class ObserveConfig:
                              f"{self.sample_every} and {self.sample_tokens}")
         if self.sample_every and not self.sample_prompts:
             raise ValueError("ObserveConfig.sample_every is set but sample_prompts is empty")
+        if self.eval_tasks_limit is not None and not self.eval_tasks_limit > 0:
+            raise ValueError(f"ObserveConfig.eval_tasks_limit must be > 0, got {self.eval_tasks_limit}")
         if self.profile_steps is not None and not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
             raise ValueError(f"ObserveConfig.profile_steps must be (start, stop) with 1 <= start <= stop, "
                              f"got {self.profile_steps}")

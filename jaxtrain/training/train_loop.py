@@ -127,9 +127,8 @@ class TrainLoop:
             if checkpoint_due or stop:  # a save must know its step was finite
                 self._settle(*pending)
                 pending = None
-            if self.parts.evaluate is not None and _every(self.observe.eval_every, self.step) and self.step != self.end:
-                with self.watchdog.phase("eval", f"the eval at step {self.step}"):
-                    self.writer.write(self.step, self.parts.evaluate(self.state.params), kind="eval")
+            if _every(self.observe.eval_every, self.step) and self.step != self.end:
+                self._evaluate("the eval")
             if _every(self.observe.sample_every, self.step):
                 self._sample()
             if checkpoint_due or stop:
@@ -155,9 +154,18 @@ class TrainLoop:
     def _finish(self) -> None:
         if self.saved_step != self.step and self.step > 0:
             self._save(wait=True)
-        if self.parts.evaluate is not None and self.stopped_by is None and self.step == self.t.steps:
-            with self.watchdog.phase("eval", f"the final eval at step {self.step}"):
+        if self.stopped_by is None and self.step == self.t.steps:
+            self._evaluate("the final eval")
+
+    def _evaluate(self, what: str) -> None:
+        """The eval data's loss (kind "eval") and the lm-eval task scores (kind "tasks"), each when
+        the run has them."""
+        if self.parts.evaluate is not None:
+            with self.watchdog.phase("eval", f"{what} at step {self.step}"):
                 self.writer.write(self.step, self.parts.evaluate(self.state.params), kind="eval")
+        if self.parts.evaluate_tasks is not None:
+            with self.watchdog.phase("eval", f"{what}'s tasks at step {self.step}"):
+                self.writer.write(self.step, self.parts.evaluate_tasks(self.state.params), kind="tasks")
 
     def _next_batch(self):
         """The next batch not in the skip list, as global arrays; and its position."""

@@ -28,3 +28,4 @@ class LoopParts:
     flops_per_token: float
     peak_flops: float | None
     make_sampler: Callable  # () -> params -> samples (built at the first sample)
+    evaluate_tasks: Callable | None = None  # params -> {"task/metric": score} (ObserveConfig.eval_tasks)

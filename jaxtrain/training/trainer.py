@@ -64,13 +64,16 @@ def _warn_about_set_aside_steps(directory: str) -> None:
 
 class Trainer:
     def __init__(self, exp: Experiment, workdir: str, devices=None, config_text: str | None = None,
-                 sampler: Callable[["Trainer"], Callable[[object], list[dict]]] | None = None):
+                 sampler: Callable[["Trainer"], Callable[[object], list[dict]]] | None = None,
+                 task_evaluator: Callable[["Trainer"], Callable[[object], dict]] | None = None):
         """`config_text`: the gin config to keep as `<workdir>/config.gin` once the run has
         checked that the workdir's checkpoints fit it (the CLI passes gin.config_str()).
         `sampler`: builds, from this Trainer, the params -> samples callable ObserveConfig.sample_every
         needs (jaxtrain.generate.during_training.TrainingSampler, which the train CLI passes); built
         here, so a layout or prompt it cannot serve fails at start. Passed in, not imported, because
-        generation builds on training."""
+        generation builds on training.
+        `task_evaluator`: likewise for ObserveConfig.eval_tasks: builds the params -> task scores
+        callable (jaxtrain.harness.training.TrainingTaskEvaluator)."""
         for part in (exp.model, exp.mesh, exp.data, exp.optimizer):
             check_config_types(part)
         exp.validate()
@@ -105,6 +108,12 @@ class Trainer:
                 raise ValueError("ObserveConfig.sample_every is set but this Trainer was given no sampler: pass "
                                  "Trainer(..., sampler=jaxtrain.generate.during_training.TrainingSampler)")
             self.sampler = sampler(self)
+        self.task_evaluator = None
+        if exp.observe.eval_tasks:
+            if task_evaluator is None:
+                raise ValueError("ObserveConfig.eval_tasks is set but this Trainer was given no task evaluator: pass "
+                                 "Trainer(..., task_evaluator=jaxtrain.harness.training.TrainingTaskEvaluator)")
+            self.task_evaluator = task_evaluator(self)
 
     # -- state -------------------------------------------------------------------------------
     def restore_or_init(self, checkpointer: Checkpointer) -> tuple[TrainState, dict]:
@@ -216,7 +225,7 @@ class Trainer:
             restore_or_init=self.restore_or_init, leaf_paths=self.leaf_paths,
             flops_per_token=exp.model.flops_per_token(t.seq_len),
             peak_flops=peak_flops(jax.devices()[0].device_kind, exp.observe.peak_flops_per_device),
-            make_sampler=lambda: self.sampler)
+            make_sampler=lambda: self.sampler, evaluate_tasks=self.task_evaluator)
 
     # -- loop --------------------------------------------------------------------------------
     def run(self, stop_after: int | None = None, signals=None) -> list[dict]:
