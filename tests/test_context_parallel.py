@@ -121,9 +121,11 @@ def hybrid_single():
     return get
 
 
-# The 3-axis hybrid case runs in `make test-extended` (the suite's budget); folded experts under
-# context stay covered here by the DeepSeek case.
-EXTENDED_HYBRID = {("nemotron_h", "context2_folded_experts_fsdp_tensor2_data4"), ("nemotron_h", "context4_data4")}
+# The Nemotron-H cases and Mamba-2 under FSDP run in `make test-extended` (the suite's budget);
+# Mamba-2 under context with tensor stays in the suite, and folded experts under context with the
+# DeepSeek case.
+EXTENDED_HYBRID = {("nemotron_h", "context2_folded_experts_fsdp_tensor2_data4"), ("nemotron_h", "context4_data4"),
+                   ("mamba2", "context2_fsdp_data8")}
 
 
 @pytest.mark.parametrize("name, layout", [

@@ -33,11 +33,12 @@ LAYOUTS = {
 }
 
 
-# All 16 devices on experts, expert-tensor parallelism under plain data parallelism and expert=4
-# beside data=4 run in `make test-extended` (the suite's budget); in the suite,
-# fsdp_expert_tensor_parallel keeps expert parallelism (all-to-all dispatch) with the experts' hidden
-# split over tensor, folded_reference_shape the experts folded over data.
-EXTENDED_LAYOUTS = {"expert16", "expert_tensor_parallel", "expert4_data4"}
+# All 16 devices on experts, expert-tensor parallelism under plain data parallelism, expert=4
+# beside data=4 and the reference shape with folded experts run in `make test-extended` (the suite's
+# budget); in the suite, fsdp_expert_tensor_parallel keeps expert parallelism (all-to-all dispatch)
+# with the experts' hidden split over tensor, and tests/test_context_parallel.py's
+# context4_data4_folded_experts the experts folded over data.
+EXTENDED_LAYOUTS = {"expert16", "expert_tensor_parallel", "expert4_data4", "folded_reference_shape"}
 
 
 @pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.extended] if name in EXTENDED_LAYOUTS else [])

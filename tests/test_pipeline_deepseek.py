@@ -48,10 +48,12 @@ CASES = {
 }
 
 
-# The pipeline=4 case and the 14/13 split (which `make test-reference` also runs on the reference
-# layout) run in `make test-extended` (the suite's budget): the uneven 7/7/7/6 interleaved split
-# over two stages stays in the suite.
-EXTENDED = {"pipeline4_7_7_7_6_gpipe_tensor2_data2_folded", "pipeline2_14_13_gpipe_tensor2_data4_folded"}
+# Every case runs in `make test-extended` (the suite's budget; the 14/13 split also in `make
+# test-reference` on the reference layout). In the suite, a pipelined DeepSeek trains through every
+# stage in tests/test_lora_families.py (pipeline2_data2_expert2_tensor2, against peft), and uneven
+# interleaved splits equal their layers one by one in tests/test_layer_scan.py.
+EXTENDED = {"pipeline4_7_7_7_6_gpipe_tensor2_data2_folded", "pipeline2_14_13_gpipe_tensor2_data4_folded",
+            "pipeline2_7_7_7_6_interleaved_fsdp_data2_expert2_tensor2"}
 
 
 @pytest.fixture(scope="module", params=[pytest.param(name, marks=[pytest.mark.extended] if name in EXTENDED else [])

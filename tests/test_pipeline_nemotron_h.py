@@ -44,9 +44,12 @@ CASES = {
 }
 
 
-# the pipeline=4 case runs in `make test-extended` (the suite's budget): the two-stage cases, one
-# of them uneven with layer remat, stay in the suite
-@pytest.mark.parametrize("case", [pytest.param(name, marks=[pytest.mark.extended] if name == "pipeline4_interleaved_fsdp_data2_expert2" else [])
+# The pipeline=4 case and the context-parallel dp_sp case run in `make test-extended` (the suite's
+# budget): the uneven two-stage split with layer remat stays in the suite.
+EXTENDED = {"pipeline4_interleaved_fsdp_data2_expert2", "pipeline2_gpipe_dp_sp_context2_data2_tensor2"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(name, marks=[pytest.mark.extended] if name in EXTENDED else [])
                                   for name in sorted(CASES)])
 def test_pipelined_nemotron_h_matches_one_device(reference, case):
     mesh_cfg, rules, pipeline = CASES[case]
