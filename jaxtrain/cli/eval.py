@@ -25,7 +25,7 @@ import math
 import os
 import sys
 
-from jaxtrain.cli.launch import add_common_flags, fail, simulate_cpu_devices, start
+from jaxtrain.cli.launch import add_common_flags, fail, start_from_model_source
 
 
 def evaluate_stream(setup, params, stream, *, seq_len: int, stride: int, batch_size: int, pad_id: int) -> dict:
@@ -75,22 +75,10 @@ def parse_args(argv):
     return args
 
 
-def start_workdir(args) -> None:
-    """Gin from the workdir's config.gin (the run's layout, --layout on top), devices sized, jax started."""
-    saved = os.path.join(args.workdir, "config.gin")
-    if not args.gin_file:
-        if not os.path.exists(saved):
-            fail(f"{saved} not found: pass --gin_file describing the model")
-        args.gin_file = [saved]
-    if args.layout:
-        args.gin_param = [*args.gin_param, f"Experiment.layout={json.dumps(args.layout)}"]
-    start(args)
-
-
 def perplexity(args) -> int:
     if not os.path.exists(args.data):
         fail(f"data file not found: {args.data}")
-    start_workdir(args)
+    start_from_model_source(args)
 
     import dataclasses
 
@@ -141,17 +129,7 @@ def harness_tasks(args) -> int:
             raise ValueError(f"--max_length must be >= 2, got {args.max_length}")
     except ValueError as e:
         fail(str(e))
-    if args.workdir is not None:
-        start_workdir(args)
-    else:
-        if not os.path.isdir(args.hf_dir):
-            fail(f"--hf_dir {args.hf_dir}: not a directory")
-        if args.layout:
-            from jaxtrain.training.parallel_plan import ParallelPlan
-            try:
-                simulate_cpu_devices(ParallelPlan.parse(args.layout).device_count())
-            except ValueError as e:
-                fail(str(e))
+    start_from_model_source(args)
 
     from jaxtrain.harness import lm as harness_lm
     from jaxtrain.harness.tasks import evaluate, output_types, table, task_manager, write_results

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from jaxtrain.cli.launch import add_common_flags, fail, simulate_cpu_devices, start
+from jaxtrain.cli.launch import add_common_flags, fail, start_from_model_source
 
 
 def parse_args(argv):
@@ -115,24 +115,7 @@ def main(argv=None) -> int:
         if not text:
             fail(f"prompt {i + 1} is empty")
 
-    if args.workdir is not None:
-        saved = os.path.join(args.workdir, "config.gin")
-        if not args.gin_file:
-            if not os.path.exists(saved):
-                fail(f"{saved} not found: pass --gin_file describing the model")
-            args.gin_file = [saved]
-        if args.layout:  # the run's plan with this spec on top (also sizes the CPU devices)
-            args.gin_param = [*args.gin_param, f"Experiment.layout={json.dumps(args.layout)}"]
-        start(args)
-    else:
-        if not os.path.isdir(args.hf_dir):
-            fail(f"--hf_dir {args.hf_dir}: not a directory")
-        if args.layout:
-            from jaxtrain.training.parallel_plan import ParallelPlan
-            try:
-                simulate_cpu_devices(ParallelPlan.parse(args.layout).device_count())
-            except ValueError as e:
-                fail(str(e))
+    start_from_model_source(args)
 
     from jaxtrain.generate import loading
     from jaxtrain.training.restore_latest import RestoreFailed

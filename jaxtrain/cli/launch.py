@@ -228,3 +228,29 @@ def start(args) -> None:
         parse_gin(gin_files, args.gin_param)
     except (ValueError, KeyError, TypeError, SyntaxError) as e:
         fail("bad gin config: " + re.sub(r"\s+", " ", str(e)))
+
+
+def start_from_model_source(args) -> None:
+    """Start-up of a CLI that reads a model from `args.workdir` (its config.gin under any
+    --gin_file/--gin_param, `args.layout` on top of the run's plan) or `args.hf_dir` (on
+    `args.layout`, or one device): devices sized, gin parsed, jax not yet imported before."""
+    import json
+
+    if getattr(args, "workdir", None) is not None:
+        saved = os.path.join(args.workdir, "config.gin")
+        if not args.gin_file:
+            if not os.path.exists(saved):
+                fail(f"{saved} not found: pass --gin_file describing the model")
+            args.gin_file = [saved]
+        if args.layout:  # the run's plan with this spec on top (also sizes the CPU devices)
+            args.gin_param = [*args.gin_param, f"Experiment.layout={json.dumps(args.layout)}"]
+        start(args)
+        return
+    if not os.path.isdir(args.hf_dir):
+        fail(f"--hf_dir {args.hf_dir}: not a directory")
+    if args.layout:
+        from jaxtrain.training.parallel_plan import ParallelPlan
+        try:
+            simulate_cpu_devices(ParallelPlan.parse(args.layout).device_count())
+        except ValueError as e:
+            fail(str(e))
