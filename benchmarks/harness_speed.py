@@ -2,13 +2,14 @@
 backend on the same random weights, each backend in its own process (a process that ran one
 framework slows the other), alternating A B B A, on the same CPUs with the same thread count.
 
-    .venv/bin/python benchmarks/harness_speed.py --requests 96 --batch 32 --rounds 2
+    .venv/bin/python benchmarks/harness_speed.py --requests 96 --batch 32 --rounds 2 --choices 4
 
-Requests are multiple-choice shaped (a context of 16-200 tokens, a continuation of 1-8) with
-random ids, scored through each backend's `_loglikelihood_tokens` (tokenization is not timed);
-none share a context, so the HF backend's one-token-continuation cache does not apply. Each
-process scores the requests once to warm up (jaxtrain compiles one program per length bucket
-there), then once timed. Defaults: a 135M-parameter Llama shape (30 layers, d 576, 9 heads / 3 kv
+Requests are multiple-choice shaped: contexts of 16-200 tokens, each with `--choices`
+continuations of 1-8 tokens (4: a question and its answers, as ARC or HellaSwag ask; 1: no two
+requests share a context), random ids, scored through each backend's `_loglikelihood_tokens`
+(tokenization is not timed). The HF backend's cache for one-token continuations applies where it
+would on a real task. Each process scores the requests once to warm up (jaxtrain compiles its
+programs there), then once timed. Defaults: a 135M-parameter Llama shape (30 layers, d 576, 9 heads / 3 kv
 heads, vocab 49152), float32.
 """
 from __future__ import annotations
@@ -45,17 +46,18 @@ def save_model(directory: str, layers: int) -> None:
                                          eos_token="</s>").save_pretrained(directory)
 
 
-def requests(n: int, seed: int = 0) -> list:
+def requests(n: int, choices: int, seed: int = 0) -> list:
     rng = np.random.default_rng(seed)
     out = []
-    for i in range(n):
+    while len(out) < n:
         context = rng.integers(0, 49152, int(rng.integers(16, 201))).tolist()
-        continuation = rng.integers(0, 49152, int(rng.integers(1, 9))).tolist()
-        out.append(((f"c{i}", f"x{i}"), context, continuation))
+        for _ in range(min(choices, n - len(out))):
+            continuation = rng.integers(0, 49152, int(rng.integers(1, 9))).tolist()
+            out.append(((f"c{len(out)}", f"x{len(out)}"), context, continuation))
     return out
 
 
-def worker(backend: str, hf_dir: str, n: int, batch: int) -> dict:
+def worker(backend: str, hf_dir: str, n: int, batch: int, choices: int) -> dict:
     if backend == "hf":
         import torch
         from lm_eval.models.huggingface import HFLM
@@ -66,16 +68,16 @@ def worker(backend: str, hf_dir: str, n: int, batch: int) -> dict:
         from jaxtrain.harness.lm import JaxtrainLM
 
         lm = JaxtrainLM(hf_dir=hf_dir, batch_size=batch, max_length=2048)
-    reqs = requests(n)
+    reqs = requests(n, choices)
     t0 = time.perf_counter()
     first = lm._loglikelihood_tokens(reqs, disable_tqdm=True)  # warm-up (jaxtrain: compiles)
     t1 = time.perf_counter()
     second = lm._loglikelihood_tokens(reqs, disable_tqdm=True)
     t2 = time.perf_counter()
     assert [a for a, _ in first] == [a for a, _ in second]
-    buckets = sorted(lm.scorer.buckets_used) if backend == "jaxtrain" else None
+    programs = sorted(lm.scorer.programs) if backend == "jaxtrain" else None
     return {"backend": backend, "requests_per_s": n / (t2 - t1), "timed_s": t2 - t1, "warmup_s": t1 - t0,
-            "buckets": buckets, "logprob_sum": float(sum(a for a, _ in second))}
+            "programs": programs, "logprob_sum": float(sum(a for a, _ in second))}
 
 
 def main() -> None:
@@ -84,11 +86,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--choices", type=int, default=4, help="continuations per context")
     p.add_argument("--worker", choices=["jaxtrain", "hf"], default=None)
     p.add_argument("--hf_dir", default=None)
     args = p.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.hf_dir, args.requests, args.batch)), flush=True)
+        print(json.dumps(worker(args.worker, args.hf_dir, args.requests, args.batch, args.choices)), flush=True)
         return
     env = {**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     rows = []
@@ -98,7 +101,8 @@ def main() -> None:
             order = ("jaxtrain", "hf") if r % 2 == 0 else ("hf", "jaxtrain")
             for backend in order:
                 proc = subprocess.run([sys.executable, __file__, "--worker", backend, "--hf_dir", hf_dir,
-                                       "--requests", str(args.requests), "--batch", str(args.batch)],
+                                       "--requests", str(args.requests), "--batch", str(args.batch),
+                                       "--choices", str(args.choices)],
                                       env=env, capture_output=True, text=True, cwd=REPO)
                 if proc.returncode:
                     sys.exit(proc.stderr[-3000:])
@@ -107,11 +111,11 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     med = {b: statistics.median(r["requests_per_s"] for r in rows if r["backend"] == b) for b in ("jaxtrain", "hf")}
     sums = {b: [r["logprob_sum"] for r in rows if r["backend"] == b][0] for b in med}
-    print(json.dumps({"requests": args.requests, "batch": args.batch, "cpus": len(os.sched_getaffinity(0)),
-                      "jaxtrain_requests_per_s": med["jaxtrain"], "hf_requests_per_s": med["hf"],
-                      "ratio": med["jaxtrain"] / med["hf"], "buckets": rows[0 if rows[0]["backend"] == "jaxtrain"
-                                                                            else 1]["buckets"],
-                      "logprob_sum_difference": abs(sums["jaxtrain"] - sums["hf"])}), flush=True)
+    programs = next(r["programs"] for r in rows if r["backend"] == "jaxtrain")
+    print(json.dumps({"requests": args.requests, "choices": args.choices, "batch": args.batch,
+                      "cpus": len(os.sched_getaffinity(0)), "jaxtrain_requests_per_s": med["jaxtrain"],
+                      "hf_requests_per_s": med["hf"], "ratio": med["jaxtrain"] / med["hf"],
+                      "programs": programs, "logprob_sum_difference": abs(sums["jaxtrain"] - sums["hf"])}), flush=True)
 
 
 if __name__ == "__main__":

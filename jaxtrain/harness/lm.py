@@ -92,9 +92,9 @@ class JaxtrainLM(TemplateLM):
         else:
             loaded, default_length = load_source(workdir, hf_dir, layout, gin_ready)
         if loaded.tokenizer is None or not hasattr(loaded.tokenizer, "hf_tokenizer"):
-            where = workdir or hf_dir or "this run"
-            raise ValueError(f"{where} has no Hugging Face tokenizer (DataConfig.tokenizer names a directory holding "
-                             "one); the harness passes text, so it needs the model's tokenizer")
+            where = hf_dir or "this run"
+            raise ValueError(f"{where} has no Hugging Face tokenizer (tokenizer.json / tokenizer_config.json); the "
+                             "harness passes text, so it needs the model's tokenizer")
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer.hf_tokenizer
         self.add_bos_token = None if add_bos_token is None else str(add_bos_token).lower() in ("true", "1")
@@ -106,7 +106,6 @@ class JaxtrainLM(TemplateLM):
         self.seed = _as_int("seed", seed)
         self.scorer = TokenScorer(loaded.model, mesh=loaded.mesh, rules=loaded.rules, batch_size=batch_size)
         self._engine = None
-        self.source = workdir or hf_dir or "run"
 
     @staticmethod
     def _from_run(run, tokenizer):
@@ -116,7 +115,6 @@ class JaxtrainLM(TemplateLM):
 
         if isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = HFTokenizer(os.fspath(tokenizer))
-
         model = canonical_model(run.setup.state.model_cfg, run.params)
         return Loaded(model, run.setup.mesh, run.setup.rules, tokenizer, None)
 
@@ -125,7 +123,7 @@ class JaxtrainLM(TemplateLM):
         from flax import nnx
 
         self.loaded.model = model
-        self.scorer.state = nnx.state(model)
+        self.scorer.set_state(nnx.state(model))
         if self._engine is not None:
             self._engine.state = nnx.state(model)
 
