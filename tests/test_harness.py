@@ -119,6 +119,26 @@ def test_scores_equal_the_harness_hf_backend(hf_dirs, manager, family, layout):
     assert_same_scores(ours, hf_results(family, hf_dirs[family], manager))
 
 
+def test_chat_templated_prompts_equal_the_hf_backend(hf_dirs, manager):
+    """apply_chat_template: the few-shot prompt rendered by the tokenizer's chat template, as the HF
+    backend renders it, and scored alike."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
+    from jaxtrain.harness.lm import JaxtrainLM
+
+    task = ["jaxtrain_local_choice"]
+    runs = [lm_eval.simple_evaluate(model=lm, tasks=task, task_manager=manager, log_samples=True, limit=4,
+                                    apply_chat_template=True, num_fewshot=1)
+            for lm in (JaxtrainLM(hf_dir=hf_dirs["llama"], batch_size=4, max_length=MAX_LENGTH),
+                       HFLM(pretrained=hf_dirs["llama"], dtype="float32", device="cpu", batch_size=4,
+                            max_length=MAX_LENGTH))]
+    ours, theirs = ([s["arguments"] for s in r["samples"][task[0]]] for r in runs)
+    assert ours == theirs and "<|im_start|>" in ours[0][0][0]  # the template's own markers
+    for a, b in zip(responses(runs[0], task[0]), responses(runs[1], task[0])):
+        np.testing.assert_allclose([r[0][0] for r in a], [r[0][0] for r in b], atol=1e-4)
+
+
 def test_greedy_continuations_are_flagged_greedy(hf_dirs):
     """Continuations the model would generate itself are greedy in both backends, one token off is not."""
     from lm_eval.api.instance import Instance
