@@ -98,15 +98,18 @@ def assert_same_scores(ours, theirs):
                 else:
                     assert math.isfinite(a[0]) and abs(a[0] - b[0]) <= 1e-4, (a, b)
                     assert a[1] == b[1]
-        for metric, value in theirs["results"][task].items():
+        for metric, value in theirs["results"].get(task, {}).items():
             if isinstance(value, float) and "stderr" not in metric:
                 assert ours["results"][task][metric] == pytest.approx(value, rel=1e-6, abs=1e-9), (task, metric)
 
 
+# DeepSeek-V2 and Nemotron-H on one device, and the 16-device layouts, run in `make test-extended`
+# (the suite's budget); in the suite, the CLI test holds Nemotron-H to the HF backend on three
+# documents of each task and the forward-pass test DeepSeek-V2's scores to its own float64 logits.
 @pytest.mark.parametrize("family,layout", [
-    ("llama", None), ("deepseek_v2", None), ("nemotron_h", None),
-    # 16-device layouts in `make test-extended` (the suite's budget); in the suite, the training test
-    # scores on data=2,tensor=2 and compares with the checkpoint scored on data=16
+    ("llama", None),
+    pytest.param("deepseek_v2", None, marks=pytest.mark.extended),
+    pytest.param("nemotron_h", None, marks=pytest.mark.extended),
     pytest.param("deepseek_v2", "data=2,expert=4,tensor=2", marks=pytest.mark.extended),
     pytest.param("llama", "data=4,tensor=4", marks=pytest.mark.extended),
     pytest.param("nemotron_h", "data=2,expert=4,tensor=2", marks=pytest.mark.extended),
@@ -176,7 +179,7 @@ def test_greedy_continuations_are_flagged_greedy(hf_dirs):
 
 
 def test_scores_equal_a_forward_pass_one_request_at_a_time(hf_dirs):
-    """200 requests of varied lengths, half of them multiple-choice groups sharing a context: each
+    """120 requests of varied lengths, half of them multiple-choice groups sharing a context: each
     request's score equals a float64 log-softmax of the model's own logits on that request alone,
     unpadded; one compile per program (length bucket x scored-tail bucket) the scorer ran."""
     from jaxtrain import hf
@@ -187,9 +190,9 @@ def test_scores_equal_a_forward_pass_one_request_at_a_time(hf_dirs):
     scorer = TokenScorer(model, batch_size=32)
     rng = np.random.default_rng(1)
     requests = []
-    while len(requests) < 200:
+    while len(requests) < 120:
         context = rng.integers(0, 320, int(rng.integers(1, 110))).tolist()
-        for _ in range(1 if len(requests) < 100 else int(rng.integers(2, 5))):  # alone, then choices
+        for _ in range(1 if len(requests) < 60 else int(rng.integers(2, 5))):  # alone, then choices
             requests.append((context + rng.integers(0, 320, int(rng.integers(1, 10))).tolist(),))
             requests[-1] = (requests[-1][0], len(requests[-1][0]) - len(context))
     with count_compiles() as compiles:
@@ -198,7 +201,7 @@ def test_scores_equal_a_forward_pass_one_request_at_a_time(hf_dirs):
     assert kinds["whole"] and kinds["prefill"] and len(scorer.programs) <= 12, scorer.programs
     assert compiles["_score_fn"] == len(kinds["whole"]) and compiles["_prefill_fn"] == len(kinds["prefill"])
     assert compiles["_step_fn"] <= len(kinds["prefill"]), dict(compiles)  # one per cache length
-    for i in [*rng.choice(100, 3, replace=False), *rng.choice(range(100, len(requests)), 3, replace=False)]:
+    for i in [*rng.choice(60, 3, replace=False), *rng.choice(range(60, len(requests)), 3, replace=False)]:
         tokens, n = requests[i]
         logits = forward(model, np.asarray([tokens[:-1]], np.int32))[0].astype(np.float64)
         top = logits.max(-1, keepdims=True)
@@ -303,10 +306,10 @@ def test_cli_prints_the_table_and_writes_the_harness_results(hf_dirs, manager, t
     written = json.loads(output.read_text())
     reference = hf_results("nemotron_h", hf_dirs["nemotron_h"], manager)
     for task in TASKS:
-        assert len(written["samples"][task]) == 3
-        assert written["results"][task]["sample_len"] == 3
-        assert responses(written, task) == [[list(r) if isinstance(r, tuple) else r for r in doc]
-                                            for doc in responses(reference, task)[:3]] or task != TASKS[2]
+        assert len(written["samples"][task]) == written["results"][task]["sample_len"] == 3
+    trimmed = {"samples": {task: sorted(reference["samples"][task], key=lambda s: s["doc_id"])[:3] for task in TASKS},
+               "results": {}}
+    assert_same_scores(written, trimmed)  # the HF backend's responses, read back from the JSON
     assert written["configs"]["jaxtrain_local_generate"]["generation_kwargs"]["until"] == ["\n", "."]
 
 
@@ -370,7 +373,7 @@ def test_task_scores_while_training_use_the_current_parameters(hf_dirs, workdir,
         gin.clear_config()
     train_file = tmp_path / "train.txt"
     train_file.write_text(" ".join(np.random.default_rng(3).choice(WORDS, 3000)))
-    tasks = ("jaxtrain_local_choice", "jaxtrain_local_rolling", "jaxtrain_local_generate")
+    tasks = ("jaxtrain_local_choice", "jaxtrain_local_rolling")  # generation during training: test_cli's samples
     exp = Experiment(model=model, mesh=MeshConfig(data=2, tensor=2),
                      data=DataConfig(train_files=(str(train_file),), eval_files=(), tokenizer=hf_dirs["llama"]),
                      train=TrainConfig(steps=4, global_batch=4, seq_len=MAX_LENGTH),
@@ -385,12 +388,12 @@ def test_task_scores_while_training_use_the_current_parameters(hf_dirs, workdir,
     scored = [r for r in rows if r["kind"] == "tasks"]
     assert [r["step"] for r in scored] == [2, 4]
     assert scored[0]["jaxtrain_local_rolling/word_perplexity"] != scored[1]["jaxtrain_local_rolling/word_perplexity"]
-    assert {"jaxtrain_local_choice/acc", "jaxtrain_local_generate/exact_match"} <= set(scored[1])
+    assert {"jaxtrain_local_choice/acc", "jaxtrain_local_choice/acc_norm"} <= set(scored[1])
     assert compiles["step"] == 1, dict(compiles)  # the train step (jaxtrain/training/step.py)
-    # the scoring programs compiled at the first evaluation only; generation's prefill once
+    # the scoring programs compiled at the first evaluation only
     programs = trainer.task_evaluator.lm.scorer.programs
     assert compiles["_score_fn"] == len({p for p in programs if p[0] == "whole"}), dict(compiles)
-    assert compiles["_prefill_fn"] == len({p for p in programs if p[0] == "prefill"}) + 1, dict(compiles)
+    assert compiles["_prefill_fn"] == len({p for p in programs if p[0] == "prefill"}), dict(compiles)
     try:
         alone = JaxtrainLM(workdir=str(run_dir), batch_size=4)
     finally:
