@@ -139,6 +139,7 @@ def test_chat_templated_prompts_equal_the_hf_backend(hf_dirs, manager):
     ours, theirs = ([s["arguments"] for s in r["samples"][task[0]]] for r in runs)
     assert ours == theirs and "<|im_start|>" in ours[0][0][0]  # the template's own markers
     for a, b in zip(responses(runs[0], task[0]), responses(runs[1], task[0])):
+        assert all(math.isfinite(r[0][0]) for r in a)
         np.testing.assert_allclose([r[0][0] for r in a], [r[0][0] for r in b], atol=1e-4)
 
 
@@ -167,6 +168,7 @@ def test_greedy_continuations_are_flagged_greedy(hf_dirs):
         expected.append(False)
     assert expected.count(True) >= 2
     mine, ref = ours.loglikelihood(requests), theirs.loglikelihood(requests)
+    assert all(math.isfinite(lp) for lp, _ in mine)
     assert [flag for _, flag in mine] == [flag for _, flag in ref] == expected
     np.testing.assert_allclose([lp for lp, _ in mine], [lp for lp, _ in ref], atol=1e-4)
 
@@ -280,8 +282,9 @@ def test_a_run_in_python_scores_as_its_checkpoint(hf_dirs, workdir):
     from_dir = JaxtrainLM(hf_dir=hf_dirs["llama"], batch_size=2)
     requests = [Instance("loglikelihood", {}, ("the river", " stone light"), 0),
                 Instance("loglikelihood", {}, ("", "north winter"), 1)]
-    np.testing.assert_allclose(np.asarray(from_run.loglikelihood(requests), float),
-                               np.asarray(from_dir.loglikelihood(requests), float), atol=1e-5)
+    run_scores = np.asarray(from_run.loglikelihood(requests), float)
+    assert np.isfinite(run_scores).all()
+    np.testing.assert_allclose(run_scores, np.asarray(from_dir.loglikelihood(requests), float), atol=1e-5)
 
 
 def run_cli(capsys, *argv):
