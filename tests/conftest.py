@@ -5,18 +5,22 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from xla_flags import COMPILE_FLAGS, DEVICE_COUNT  # noqa: E402
+from shared_compiles import CompileLedger, share_compiles_within_the_run  # noqa: E402
 
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), DEVICE_COUNT, COMPILE_FLAGS,
                                     # a loaded 2-core machine can leave simulated devices' threads >40 s
                                     # apart at a collective (XLA:CPU's default abort), seen once
                                     "--xla_cpu_collective_call_terminate_timeout_seconds=600"]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+share_compiles_within_the_run()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_threefry_partitionable", True)
+COMPILES = CompileLedger()
+COMPILES.listen()
 
 # Every test module declares its lanes itself, at its top, e.g. `pytestmark = [pytest.mark.fast]`:
 # exactly one of LANES, plus any of MARKERS that hold for the whole module (a single test takes
@@ -62,3 +66,13 @@ def pytest_make_collect_report(collector):
         if problem:
             report.outcome, report.longrepr, report.result = "failed", problem, []
     return report
+
+
+def pytest_sessionfinish(session):
+    COMPILES.write(os.environ.get("PYTEST_XDIST_WORKER", "main"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    line = CompileLedger.summary()
+    if line:
+        terminalreporter.write_line(line)

@@ -1,6 +1,6 @@
 """Run `python -m jaxtrain.train` (or a fault-injecting wrapper) in a subprocess on a tiny model
-and read back what it left in the workdir. Subprocesses of a test session share jax's
-persistent compilation cache, so each compiles the tiny step once, not once per run."""
+and read back what it left in the workdir. The processes share the test run's compilation cache
+(tests/shared_compiles.py), caching even quick compiles, so the tiny step compiles once, not once per run."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import tempfile
 
 from processes import child_env
 
@@ -19,11 +18,10 @@ TINY = ["LlamaConfig.vocab_size=272", "LlamaConfig.embed=32", "LlamaConfig.layer
         "LlamaConfig.heads=4", "LlamaConfig.kv_heads=2", "TrainConfig.seq_len=32", "ObserveConfig.eval_batches=1",
         "ObserveConfig.eval_every=0", "ObserveConfig.log_every=1", "MeshConfig.data=2",
         "OptimizerConfig.decay='constant'", "OptimizerConfig.warmup_steps=0"]
-CACHE = os.path.join(tempfile.gettempdir(), f"jaxtrain-fault-tests-cache-{os.getuid()}")
 
 
 def env() -> dict:
-    return child_env(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    return child_env(JAX_PLATFORMS="cpu", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", PYTHONPATH=str(REPO))
 
 
