@@ -4,7 +4,6 @@ and read back what it left in the workdir. The processes share the test run's co
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
