@@ -58,9 +58,9 @@ def layout_block(block, layout, length: int, context: int):
     """The kernel's block along a rank's tokens: the caller's, or else one chunk of the layout
     when a rank holds several (LoadBalanced: chunks r and 2C-1-r). A block spanning both chunks
     has the place range of both, so the kernel's causal skip (a key block placed wholly after a
-    query block) never fires: every rank computed the full local square at every ring step,
+    query block) never fires: every rank would compute the full local square at every ring step,
     twice the causal work. With chunk-sized blocks 3 of a rank's 8 tiles per layer are skipped
-    at context 2 (issue 26.5). Only a power-of-2 chunk of 16 to 256 tokens (the GPU kernels'
+    at context 2. Only a power-of-2 chunk of 16 to 256 tokens (the GPU kernels'
     tile rules); a longer power-of-2 chunk already holds whole default blocks (512, or fewer
     tokens), and a bigger block would grow the kernel's score tile with the length."""
     if block is not None or layout.chunks_per_rank == 1:

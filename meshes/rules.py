@@ -156,8 +156,10 @@ class RuleSet:
     optimizer_memory: str = "device"
     # How FSDP-sharded weights are cast and gathered for compute (meshes/weight_gather.py):
     # "cast_then_gather" (the FSDP tables' default, overlay `+gather_bf16`: bf16 gathers, float32
-    # gradient reductions, re-gathered in the backward; chosen by measurement: README "bf16 FSDP
-    # gathers"), "cast_then_gather_held" (`+gather_bf16_held`) or "cast_where_used" (the tables
+    # gradient reductions, re-gathered in the backward; the default because it holds about what
+    # casting where used holds, never gathers a weight in float32 where XLA would (experts, MLA's
+    # up-projections, the embedding table) and reduces gradients closer to a float32 run),
+    # "cast_then_gather_held" (`+gather_bf16_held`) or "cast_where_used" (the tables
     # that gather no weights, overlay `+cast_where_used`: XLA places the cast, bf16 gradients).
     weight_gather: str = "cast_where_used"
 

@@ -19,8 +19,8 @@ which dtype the weight gradient is reduced:
   CastThenGatherHeld (overlay `+gather_bf16_held`, FSDP2's reshard_after_forward=False): as
                    CastThenGather, but the contraction keeps the gathered bf16 weight: one gather
                    per weight per step instead of two under remat `none`, at the price of every
-                   layer's gathered weights held until the backward (default Llama data=8:
-                   README "bf16 FSDP gathers").
+                   layer's gathered weights held until the backward (a larger temp than
+                   CastThenGather's under remat `none`).
 
 Where weights are used: `contract` (a dense layer's matmul under SPMD: Dense, the LM head),
 `lookup` (the embedding table), `gather_in_shard_map` (a weight entering a shard_map sharded,

@@ -101,8 +101,7 @@ class CausalLM(nnx.Module):
 # layer's first and last matmuls (and of the LM head) ask for the saved input and the incoming
 # gradient split over `embed` like their FSDP weight, a layout XLA's partitioner cannot reach from
 # the residual's batch/length split without replicating the whole tensor first ("involuntary full
-# rematerialization"; DeepSeek-V2-Lite `data=2,context=2,tensor=4,rules=fsdp_sp`: 8.0 -> 4.1 GiB
-# temp, 242 -> 56 GiB of collectives a step).
+# rematerialization": a whole copy of the residual, and the collectives that build it, per layer).
 LAYER = ("batch", "length", "embed")
 
 
@@ -110,8 +109,7 @@ def layer_input(x):
     """The residual stream (normalized) as a layer's matmuls read it: whole over `tensor`, pinned
     only where FSDP splits the weights' `embed`. Without FSDP, XLA keeps the sequence-parallel
     input split for the backward and gathers it again there (Megatron's way) by itself; pinned,
-    the backward would keep it gathered (DeepSeek-V2-Lite `data=4,tensor=4,rules=dp_sp`, remat
-    none: 43.3 -> 49.7 GiB temp)."""
+    the backward would keep it gathered, a larger temp under remat none."""
     rules = active_rules()
     return constrain(x, LAYER) if rules is not None and rules.params.get("embed") else x
 

@@ -234,17 +234,17 @@ def stage_loop(pattern, layer_remat: str) -> str:
     switch's own VJP, each kind's residuals at its own slots only: models/layers/kind_residuals.py);
     otherwise run by run (a scan per run of one kind, the weights the scan's input).
 
-    Measured at full size, compile only (`python benchmarks/stage_loop_memory.py
+    Why: run by run unrolls a stage's short runs, and XLA hoists their FSDP gathers out of the
+    pipeline's tick loop, so the stage's gathered weights are held for the whole step and every
+    unrolled layer is compiled. The kinds loop compiles one layer per kind and gathers inside the
+    loop, so under remat `full` a full-size hybrid stage holds a fraction of the temp of run by
+    run or of a plain switch, and compiles several times faster. Without remat the kinds loop
+    writes its residual buffers per tick and holds more than run by run, whose collectives also
+    merge across the unrolled layers (fewer rendezvous, which is what a step of simulated CPU
+    devices waits on). `python benchmarks/stage_loop_memory.py
     --gin_file=configs/nemotron3_nano_pipeline.gin --layout pipeline=2,data=8,microbatches=2,rules=fsdp
-    --loops kinds,runs,switched`, test XLA flags), XLA temp per device: remat full (the config's)
-    kinds 42.3 GiB, run by run 235.9, plain switch 175.1, compile 15.7 / 118.7 / 13.4 s: run by
-    run unrolls the short runs and XLA hoists their FSDP gathers out of the pipeline's tick loop,
-    holding the stage's gathered weights for the step. Remat none (`--gin_param=
-    'NemotronHConfig.remat="none"'`): kinds 580.1, run by run 475.1 GiB (neither fits a device;
-    the kinds loop's residual buffers are written per tick). Width 256 (dots) about equal. On the
-    tiny reference layout (remat none) run by run steps ~1.5x faster on XLA:CPU: its collectives
-    merge across the unrolled layers (652 all-gathers per step against 1,422), and every op is a
-    rendezvous of 16 simulated devices. `PipelineConfig.stage_loop` chooses otherwise."""
+    --loops kinds,runs,switched` compiles the three side by side. `PipelineConfig.stage_loop`
+    chooses otherwise."""
     return "kinds" if alternates(pattern) and layer_remat == "full" else "runs"
 
 

@@ -31,10 +31,10 @@ from pallas_kernels.grouped_matmul_tiled import grouped_matmul_tiled
 from pallas_kernels.tile_schedule import tile_schedule
 
 _NAME = "grouped_matmul"
-# groups x rows x k x n from which the CPU path loops over tiles. Forward + backward, one
-# core-pair, measured (/ = dense ms / tiled ms): at 2e6 dense work dense wins (0.9 at -O2, 0.5
-# at -O0); from 8e6 the tiles do (1.1 / 1.1), at 7e7 3.7 / 2.4, at 1e9 (tiny DeepSeek's layer
-# on one device) 15 / 4.7. Full-size MoE layers are ~1e12.
+# groups x rows x k x n from which the CPU path loops over tiles. Forward + backward on one
+# core-pair, the dense product is the faster one up to a few 1e6 of dense work; from about 1e7
+# the tiles are, and their lead grows with the work (several times at a tiny MoE layer's 1e9;
+# full-size MoE layers are ~1e12).
 TILED_MIN_DENSE_WORK = 10**7
 
 

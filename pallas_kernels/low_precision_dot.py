@@ -3,9 +3,8 @@
 A low-precision dot accumulates in float32 and rounds its result once to the operands' dtype:
 a GPU's bf16 GEMM does that natively. XLA:CPU does not: it runs bf16 x bf16 on its bf16 kernels
 (YNNPACK, AVX512-BF16) only when the dot's result is float32; a dot with a bf16 result it widens,
-converting both operands to float32 and multiplying in float32, about twice the time (a
-[2048, 512] x [512, 2048] dot: 23.6 ms vs 11.3 ms on this project's 2-core machine). 55% of the
-matmul work of issue 26.5's tiny DeepSeek step (47 GFLOP a device) ran that way.
+converting both operands to float32 and multiplying in float32, about twice the time of its
+bf16 kernels. Written plainly, most of a bf16 model's matmul work on CPU would run that way.
 
 So two formulations of the same numbers (exact products, float32 sums, one rounding):
 

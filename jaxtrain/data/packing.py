@@ -4,7 +4,7 @@ Training reads `TokenSource`s (jaxtrain/data/store/): raw `.txt`/`.jsonl`/`save_
 tokenized in memory (`[bos] + tokens + [eos]` per document), token stores, or Megatron-LM
 prefixes. Packing into windows of `seq_len + 1` tokens is jaxtrain/data/store/windows.py; the
 step -> batch rule (shuffles, blends, process rows) is jaxtrain/data/store/loader.py. Raw files
-are one source among others: they give the batches they always gave.
+are one source among others, packed by the same rules as a store.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import numpy as np
 from jaxtrain.data.store import loader
 from jaxtrain.data.store.memory_source import text_files_source
 from jaxtrain.data.store.windows import WindowIndex
-# Raw-file helpers live in text_files (the stores use them too); still importable from here.
+# Raw-file helpers live in text_files (the stores use them too); importable from here as well.
 from jaxtrain.data.text_files import REPO_ROOT, encode_to_array, read_documents, read_utf8, resolve_path  # noqa: F401
 from jaxtrain.data.tokenizer import Tokenizer, load_tokenizer
 

@@ -14,8 +14,8 @@ from jaxtrain.training.state import abstract_model
 from models.layers.params import logical_axes
 
 # The most of one tensor converted at once. Small blocks keep the host-memory peak of a
-# conversion near the fixed cost of the libraries (measured on a 1.2 GB model: 32 MiB blocks
-# +190 MiB over that cost, 8 MiB +120, 2 MiB +60); storage chunks are this size too.
+# conversion near the fixed cost of the libraries (the peak above that cost grows with the block:
+# on a 1.2 GB model about 60 MiB at 2 MiB blocks, 190 MiB at 32); storage chunks are this size too.
 BLOCK_BYTES = 4 * 2 ** 20
 
 

@@ -36,8 +36,9 @@ class PipelineConfig:
     stages_layers: tuple[int, ...] | None = None
     remat: str = "none"  # none | layer | stage (models/stage_program.py)
     # How a stage with alternating layer kinds loops over its slots: "auto" (`stage_loop`: under
-    # remat full the kinds loop, one scan with a switch: full-size Nano holds 42 GiB instead of run
-    # by run's 236 and compiles 8x faster; else run by run), or "runs", "kinds", "switched".
+    # remat full the kinds loop, one scan with a switch, which compiles one layer per kind and keeps
+    # FSDP gathers inside the tick loop: models/stage_program.stage_loop; else run by run), or
+    # "runs", "kinds", "switched".
     stage_loop: str = "auto"
 
     def validate(self, stages: int, microbatches: int) -> None:

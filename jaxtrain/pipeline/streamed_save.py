@@ -2,8 +2,8 @@
 
 Regrouping the whole stage layout into canonical `[layers, ...]` stacks on the device held a
 second copy of the train state next to the first — more than a copy where a stack's layer
-count does not divide `pipeline` and the canonical stack is replicated over it (Nemotron-3-Nano
-pipeline=2: 4.7x the state per device, compile only). Here each canonical layer of each stacked
+count does not divide `pipeline` and the canonical stack is replicated over it (several times
+the state per device for Nemotron-3-Nano at pipeline=2). Here each canonical layer of each stacked
 leaf (a parameter or a moment) is taken from its stage by a small jitted program, copied to host
 memory and dropped from the device before the next. The
 host pieces are stacked per device into `pinned_host` arrays laid out like the canonical disk

@@ -52,8 +52,8 @@ class Platform:
     float32 and keeps the float32 activations; its grouped matmul (a loop over row tiles,
     pallas_kernels/grouped_matmul_tiled.py) holds about 2.5 more float32 copies of the gathered
     expert weights (transposes for the backward); its padded expert exchange about 3x the
-    buffers of the ragged one (masks, ids, float32 copies). The last two were measured on
-    DeepSeek-V2-Lite (FSDP 16, EP 8) and Nemotron-3-Nano and hold at DeepSeek-V2 236B with EP 32."""
+    buffers of the ragged one (masks, ids, float32 copies). The last two are fitted to compiles
+    of DeepSeek-V2-Lite (FSDP 16, EP 8) and Nemotron-3-Nano and hold at DeepSeek-V2 236B with EP 32."""
     name: str
     widen_half: bool  # 2-byte float activations held as float32
     expert_weight_copies: float = 0.0  # extra float32 copies of a MoE layer's gathered experts
@@ -84,7 +84,7 @@ class Platform:
 
 
 GPU = Platform("gpu", widen_half=False)
-# XLA:CPU's exchange constants were measured on DeepSeek-style MoE (embed 2048, expert width
+# XLA:CPU's exchange constants are fitted to DeepSeek-style MoE compiles (embed 2048, expert width
 # 1024 and 2048, EP 8 and 16, 3 and 6 MoE layers, with and without a pipeline): per received
 # row, without remat, 1.2 x embed + 5.56 x hidden float32 values kept per layer and 6.9 x
 # embed + 0.54 x hidden in the layer's backward (/ exchange_factor here).

@@ -12,8 +12,8 @@ and its watcher thread reads that whole directory back every period (one RPC). A
 counter has not moved for `dead_after` seconds is dead; a failure line from a peer ends this
 process with exit_codes.PEER, quoting it. Both bounds fit inside `timeout_s`.
 
-Ending a multi-process run other than all together at the normal end needs care, measured on
-jax 0.10 (CPU, gloo):
+Ending a multi-process run other than all together at the normal end needs care, because of how
+jax (0.10, CPU, gloo) shuts down:
 - jax registers `jax.distributed.shutdown` at exit, a barrier every process must reach; a process
   leaving with `sys.exit` while a peer is gone waits there, then jax aborts it (exit 134, a C++
   stack). Failure exits therefore go through `abort`, which ends with `os._exit`.

@@ -147,7 +147,7 @@ def load_experiment() -> Experiment:
     for part in (exp.model, exp.mesh, exp.train, exp.data, exp.optimizer, exp.pipeline, exp.groups,
                  *(getattr(exp, part) for part in RUN_CONFIGS)):
         check_config_types(part)
-    exp.plan  # built and kept: a bad Experiment.layout string is a config error now
+    exp.plan  # built and kept here, so a bad Experiment.layout string is a config error at load
     return exp
 
 

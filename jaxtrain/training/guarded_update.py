@@ -30,8 +30,8 @@ def guarded_step(apply, params, opt_state, grads, finite_before, *, sum_leaves=l
     tree) -> [leaves]`: how the norm's per-leaf sums are reduced (meshes/leaf_sums.py: one collective)."""
     would_be = apply(params, opt_state, grads)[0]
     # Per leaf in XLA's layout, not through sum_leaves: a shard_map's edge would stop XLA fusing
-    # the check into the AdamW arithmetic and materialize the would-be parameters (zero1: update
-    # temp 1.24 -> 4.0 moments, tests/test_update_memory.py).
+    # the check into the AdamW arithmetic and materialize the would-be parameters (under zero1
+    # the update's temp would grow to several moments' worth; tests/test_update_memory.py).
     params_finite = jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(would_be)]).all()
     finite = finite_before & params_finite
     new_params, new_opt_state = jax.lax.cond(finite, apply, lambda p, o, g: (p, o), params, opt_state, grads)

@@ -1,4 +1,4 @@
-"""The train state and its shardings, as the training package has always exported them: the code
+"""The train state and its shardings, importable from the training package: the code
 lives in jaxtrain/train_state.py, below both training and pipeline (which builds its staged state on
 it while training assembles the pipeline), so neither package imports the other round a loop."""
 from jaxtrain.train_state import (  # noqa: F401

@@ -2,11 +2,11 @@
 
 A parameter declared "untrained" (models/layers/params.py; the base weights under adapters,
 models/lora.py) stays in the train state's `params`, so checkpoints, evaluation and the forward
-pass see the whole model as always, but the step differentiates with respect to the trained part
+pass see the whole model, but the step differentiates with respect to the trained part
 only (no gradient buffer exists for the rest) and the optimizer's state covers the trained part
 only (no Adam moments). One strategy per case, same interface, chosen once from the roles:
 
-  AllParams   every parameter trained: each method is the identity (the step as it always was)
+  AllParams   every parameter trained: each method is the identity (the plain step)
   SomeParams  the parameters at the given paths trained: `select` prunes a params-shaped tree
               (params, their shardings, abstract values) to them, `merge` puts them back
 

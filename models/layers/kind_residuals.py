@@ -118,8 +118,8 @@ class _ResidualPlan:
     views, masks from ctx), and how to rebuild the vjp from a row.
 
     Telling them apart by the jaxpr's data flow, not by identity with the weight leaves: a view of
-    a weight (a `sharding_constraint` inside the layer) is a new value, and stored it was a copy of
-    kind k's weights per occurrence and pipeline tick (width-256 stage: 40 MiB of MoE experts)."""
+    a weight (a `sharding_constraint` inside the layer) is a new value, and stored it would be a
+    copy of kind k's weights per occurrence and pipeline tick (a MoE layer's experts each time)."""
 
     def __init__(self, take, layer_fn):
         self.take, self.layer_fn = take, layer_fn
@@ -222,9 +222,9 @@ def _forward(plan: _ResidualPlan, x, stacks, ctx, reads, kind_ids, occurrence, c
     """The loop's forward: (x, aux per kind), and each kind's residual buffers ([count, ...]). The
     switch returns one step's residuals of every kind (zeros for the kinds not run); each kind's
     are written into its buffers after it, so the buffers are not operands of the conditional:
-    XLA copied every buffer passing through a branch that did not write it, at every step. A kind
+    XLA copies every buffer passing through a branch that does not write it, at every step. A kind
     not run writes past its buffers' end, a write the scatter drops: no read, no select (writing
-    back the row it read cost three ops per residual leaf and step)."""
+    back the row it read would cost three ops per residual leaf and step)."""
     kinds = len(stacks)
     aux_shapes = [plan._trace(k, x, stacks[k], ctx, reads) for k in range(kinds)]
     buffers = [tuple(jnp.zeros((counts[k],) + s.shape, s.dtype) for s in plan.shapes[k]) for k in range(kinds)]

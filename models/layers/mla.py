@@ -119,9 +119,9 @@ class MultiHeadLatentAttention(nnx.Module):
         if self.attention.takes_latent:
             # Under context parallelism each rank up-projects its own tokens only and the context
             # exchange (RingKV by default, or AllGatherKV) moves per-head keys/values. Gathering
-            # the latent instead made every rank up-project the whole sequence: (C - 1) / C of
-            # the up-projection's work replicated, the largest cost of the 4-axis tiny DeepSeek
-            # step (35% of its device time, profiled; README, issue 26.5).
+            # the latent instead makes every rank up-project the whole sequence: (C - 1) / C of
+            # the up-projection's work replicated, which would be the largest cost of a
+            # context-parallel step.
             k, v = self._keys_values(up(local_latent), local_k_rope)
             out = self.attention(q, k, v, segment_ids, scale=self.softmax_scale, kv_head_name="heads")
             return self.o(out), local_latent, local_k_rope

@@ -55,9 +55,9 @@ def read_indices(slots: Sequence[tuple[str, int]], kinds: Sequence[str]) -> np.n
 
 def layer_of(stack_state, index):
     """Layer `index` (traced) of a stacked layer state, each weight kept in its parameter
-    sharding. Unconstrained, XLA gathered FSDP-sharded weights outside the switch instead of
-    inside the branch that uses them (the Nemotron-3-Nano step: ~500 GiB of all-gathers per
-    device before the loop, and the MoE layer's experts at every layer, Mamba's too)."""
+    sharding. Unconstrained, XLA gathers FSDP-sharded weights outside the switch instead of
+    inside the branch that uses them: every layer's weights gathered before the loop, hundreds of
+    GiB per device at Nemotron-3-Nano's size, and the MoE and Mamba weights at every layer."""
     def one(variable):
         names = variable.get_metadata().get(LOGICAL_AXES)
         w = jax.lax.dynamic_index_in_dim(variable.get_value(), index, keepdims=False)
@@ -111,7 +111,7 @@ class PatternStack(nnx.Module):
     # back (one layer of every kind's cache copied per layer, once per prompt). Decode, every token,
     # instead unrolls the pattern (static, and one token's layer is small to compile): layer j reads
     # and writes its own kind's stacked cache in place at its static index, so no other cache is
-    # touched. Measured on CPU (benchmarks/hybrid_decode.py): see README "Generating text".
+    # touched (benchmarks/hybrid_decode.py times both ways of one decode step).
     def init_cache(self, batch: int, max_len: int, dtype):
         return {kind: self.stack(kind).init_cache(batch, max_len, dtype) for kind in self.kinds}
 

@@ -62,7 +62,7 @@ class LayerStack(nnx.Module):
 
     def decode(self, x, positions, cache, index, valid_from):
         """The stacked cache rides in the scan's carry and each layer writes its one new entry into
-        it in place (a LayerCache view): as scan inputs/outputs, every layer's whole cache was
+        it in place (a LayerCache view): as scan inputs/outputs, every layer's whole cache would be
         copied each step (models/layers/decode_cache.py)."""
         graphdef, state = nnx.split(self.layers)
 

@@ -14,7 +14,7 @@ from fractions import Fraction
 
 import numpy as np
 
-MAX_PERIOD = 1 << 20  # a resume computes at most one period (~2 s per million samples here)
+MAX_PERIOD = 1 << 20  # a resume computes at most one period: bounded so resuming stays quick
 
 
 def integer_weights(weights) -> np.ndarray:

@@ -2,10 +2,10 @@
 memory-mapped.
 
 Why not a memory map: every page of a file mapping the loader touches stays mapped, and mapped
-file pages count in the process's RSS. Random windows read from a memory-mapped 2 GB store grew
-RssFile by ~5.5 MB per batch of 16 x 4096 here (the kernel maps whole large folios and
-read-around pages, ~350 KB per 8 KB window; `madvise(MADV_RANDOM)` did not change it), so a run's
-RSS climbed towards the corpus's size. A positioned read copies just the slice; the kernel's page
+file pages count in the process's RSS. Random windows read from a memory-mapped store grow
+RssFile by megabytes per batch (the kernel maps whole large folios and read-around pages, some
+hundreds of KB per 8 KB window; `madvise(MADV_RANDOM)` does not change it), so a run's RSS
+climbs towards the corpus's size. A positioned read copies just the slice; the kernel's page
 cache still serves repeated reads, but nothing stays in the process. Reads are thread-safe (no
 shared file position) and an array pickles as its path (a worker process reopens the file).
 """

@@ -1,6 +1,6 @@
 """A `TokenSource` held in memory: documents given as int arrays (tests, small corpora), and the
 adapter that turns raw text files into one (each document `[bos] + tokens + [eos]`, the framing
-training has always used, so raw files keep giving the batches they always gave).
+a token store's text documents get too (formats.py), so raw files and a store pack the same windows).
 
 Raw files are tokenized at every start and held whole; corpora beyond a few hundred MB belong in
 a token store (`python -m jaxtrain.data prepare`), which training reads slice by slice.
