@@ -6,7 +6,7 @@ Every branch of a conditional is counted (an upper bound where a switch chooses)
 
     python benchmarks/hlo_dot_flops.py STEP.hlo [ROWS]
 
-Get STEP.hlo with benchmarks/issue26_step_cpu.py's bench run and HLO_OUT=PATH (compile only).
+Get STEP.hlo with benchmarks/step_cpu_time.py's bench run and HLO_OUT=PATH (compile only).
 """
 import collections
 import os

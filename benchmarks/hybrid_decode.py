@@ -1,5 +1,6 @@
-"""One decode step of a hybrid (PatternStack) model, before and after issue 24's last changes,
-side by side in one process (steps alternate between the variants, same threads):
+"""One decode step of a hybrid (PatternStack) model, each way of threading its caches and of
+reading attention's cache, side by side in one process (steps alternate between the variants,
+same threads):
 
   scan_switch   the pattern's scan + switch threading every kind's cache (PatternStack's
                 prefill path): each layer slices one layer of every kind's cache and writes it back

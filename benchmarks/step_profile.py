@@ -1,7 +1,7 @@
-"""Where one layout's train step spends its time and what it moves, for issue 26.5's cuts.
+"""Where one layout's train step spends its time and what it moves.
 
-    cd CHECKOUT && OUT=/tmp/prof PYTHON benchmarks/issue26_profile.py step --gin_file=... --layout L --steps 1
-    PYTHON benchmarks/issue26_profile.py report /tmp/prof [ROWS]
+    cd CHECKOUT && OUT=/tmp/prof PYTHON benchmarks/step_profile.py step --gin_file=... --layout L --steps 1
+    PYTHON benchmarks/step_profile.py report /tmp/prof [ROWS]
 
 The first form runs `python -m jaxtrain.bench step ARGS` (two warm-up steps, then the timed ones)
 and writes into $OUT: the compiled step's per-device HLO (`step.hlo`), the HLO right after SPMD

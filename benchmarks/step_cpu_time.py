@@ -1,13 +1,13 @@
 """Runs `python -m jaxtrain.bench step ARGS` of the checkout in the current directory (any
-commit: the base of issue 26 too) and adds what the bench does not print: this process's CPU
+commit, older ones too) and adds what the bench does not print: this process's CPU
 seconds per timed step (the figure least moved by other load on a shared machine) and the
 last step's loss. One JSON line on stdout after the bench's own output:
 {"cpu_step_s": median over the timed steps, "wall_step_s": ..., "loss": ...}.
 
-    cd CHECKOUT && PYTHON benchmarks/issue26_step_cpu.py step --gin_file=... --layout L --steps N
+    cd CHECKOUT && PYTHON benchmarks/step_cpu_time.py step --gin_file=... --layout L --steps N
 
-Each step ends at the bench's `jax.block_until_ready(metrics)` (both the base's and today's
-timing loops), so the CPU between two of them is one step's (two warm-up steps skipped).
+Each step ends at the bench's `jax.block_until_ready(metrics)` (both an older checkout's and this
+one's timing loops), so the CPU between two of them is one step's (two warm-up steps skipped).
 HLO_OUT=PATH also writes the compiled step's per-device HLO text there (for
 benchmarks/hlo_dot_flops.py; add --compile_only to stop after the compile).
 """

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# Issue 26.5's timing: tiny DeepSeek at the issue's shape, the base commit (d43f5dd) against this
-# checkout, FSDP-16 and the 4-axis layout (this checkout also with kv=allgather and kv=latent),
-# alternating run by run, ROUNDS times; one process per run, each under the shared timing lock.
+# Step time of a base commit (d43f5dd) against this checkout: tiny DeepSeek (tiny_deepseek_shape.sh),
+# FSDP-16 and the 4-axis layout (this checkout also with kv=allgather and kv=latent), alternating run by run, ROUNDS times; one process per run, each under the shared timing lock.
 # Prints per run: tokens/s and wall s/step (bench: median of the timed steps), this process's CPU
-# s/step (benchmarks/issue26_step_cpu.py; the figure least moved by other load), the last loss.
-#   ROUNDS=2 STEPS=5 BASE=/tmp/base26 KV="ring allgather latent" benchmarks/issue26_step_ab.sh
+# s/step (benchmarks/step_cpu_time.py; the figure least moved by other load), the last loss.
+#   ROUNDS=2 STEPS=5 BASE=/tmp/base26 KV="ring allgather latent" benchmarks/step_ab.sh
 # BASE is made (git worktree of d43f5dd) when missing and removed at the end if this script made it.
 set -u
 HEAD_DIR=${HEAD_DIR:-$(cd "$(dirname "$0")/.." && pwd)}  # "head": this checkout, or HEAD_DIR=another
@@ -18,7 +17,7 @@ mkdir -p "$OUT"
 made_base=0
 if [ ! -d "$BASE" ]; then git -C "$HEAD_DIR" worktree add "$BASE" d43f5dd >/dev/null && made_base=1; fi
 
-source "$(dirname "$0")/issue26_shape.sh"  # FLAGS, FSDP, AXES4
+source "$(dirname "$0")/tiny_deepseek_shape.sh"  # FLAGS, FSDP, AXES4
 # name | checkout | layout
 KV=${KV:-"ring allgather latent"}  # this checkout's 4-axis context exchanges (ring: the default)
 RUNS=("base|$BASE|$FSDP" "head|$HEAD_DIR|$FSDP" "base|$BASE|$AXES4")
@@ -29,7 +28,7 @@ for round in $(seq 1 "$ROUNDS"); do
     IFS='|' read -r name dir layout <<<"$run"
     tag="r${round}_${name}_$(echo "$layout" | sed 's/[,=+]/_/g')"
     echo "== round $round: $name $layout ($(date -u +%H:%M:%S), load $(cut -d' ' -f1 /proc/loadavg))" >&2
-    (cd "$dir" && flock "$LOCK" "$PY" "$HEAD_DIR/benchmarks/issue26_step_cpu.py" step "${FLAGS[@]}" --layout "$layout" \
+    (cd "$dir" && flock "$LOCK" "$PY" "$HEAD_DIR/benchmarks/step_cpu_time.py" step "${FLAGS[@]}" --layout "$layout" \
        --json "$OUT/$tag.bench.json") >"$OUT/$tag.log" 2>&1
     tail -n 1 "$OUT/$tag.log" >"$OUT/$tag.cpu.json"
     echo "$round|$name|$layout|$(cut -d' ' -f1 /proc/loadavg)|$tag" >>"$OUT/runs.txt"

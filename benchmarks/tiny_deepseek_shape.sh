@@ -1,5 +1,6 @@
-# Issue 26.5's shape (tiny DeepSeek, the issue's bench command) and its two layouts, sourced by
-# benchmarks/issue26_step_ab.sh and issue26_step_abba.sh. Reads STEPS.
+# The bench flags of a tiny DeepSeek (MLA, 8 routed + 2 shared experts, bf16, remat full) and its
+# two layouts, FSDP-16 and the 4-axis data x tensor x context x expert, sourced by
+# benchmarks/step_ab.sh, step_abba.sh and step_before_after.sh. Reads STEPS.
 FLAGS=(--gin_file=configs/deepseek_v2_tiny.gin --steps "$STEPS"
   --gin_param=DeepSeekConfig.vocab_size=1024 --gin_param=DeepSeekConfig.embed=256 --gin_param=DeepSeekConfig.layers=4
   --gin_param=DeepSeekConfig.first_k_dense=1 --gin_param=DeepSeekConfig.heads=16 --gin_param=DeepSeekConfig.q_lora_rank=None
