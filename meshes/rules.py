@@ -114,8 +114,11 @@ LOGICAL_NAMES: dict[str, LogicalName] = {
     "ssm_state": _n("Mamba-2 state size (kept whole)"),
     "conv_kernel": _n("taps of the Mamba-2 short causal conv (kept whole)"),
     # Adapters (models/lora.py) take the rest of their names from the weight they adapt, so they
-    # split like it; the rank between their two factors is small and no table maps it.
-    "lora_rank": _n("the rank of a low-rank adapter's two factors (kept whole)"),
+    # split like it. Their rank is kept whole for compute; FSDP splits it over the data axes where
+    # the weight's other names leave those free (a factor without the model width, e.g. B of a
+    # query projection), so no adapter factor is held whole on every data-parallel device.
+    "lora_rank": _n("the rank of a low-rank adapter's two factors (FSDP splits it over the data axes)",
+                    Indivisible.REPLICATE),
 }
 
 
@@ -234,7 +237,9 @@ _FSDP_PARAMS: Table = {**_TENSOR_PARALLEL_PARAMS, "embed": DATA_PARALLEL_AXES + 
                        "expert_embed": DATA_PARALLEL_AXES + ("context", "tensor"),
                        # MLA's q_up / kv_up [rank, heads, head_dim] have no embed dimension: without
                        # this they stay whole under FSDP (V2-Lite: 0.2 GiB of params per device).
-                       "q_lora": DATA_PARALLEL_AXES + ("context",), "kv_lora": DATA_PARALLEL_AXES + ("context",)}
+                       "q_lora": DATA_PARALLEL_AXES + ("context",), "kv_lora": DATA_PARALLEL_AXES + ("context",),
+                       # an adapter factor whose other dimensions leave the data axes free
+                       "lora_rank": DATA_PARALLEL_AXES + ("context",)}
 # Sequence parallel: between blocks the residual stream is split over tensor as well, turning
 # the tensor-parallel all-reduces into reduce-scatter + all-gather pairs.
 _SEQUENCE_PARALLEL_ACTIVATIONS: Table = {**_ACTIVATIONS, "residual_length": ("context", "tensor")}

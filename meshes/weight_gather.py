@@ -45,7 +45,7 @@ from pallas_kernels import low_precision_dot
 
 # The names FSDP splits over the data-parallel axes on top of tensor/expert parallelism: a weight
 # is "gathered" when these dimensions are whole (meshes/rules.py `_FSDP_PARAMS`).
-FSDP_GATHERED_NAMES = ("embed", "expert_embed", "q_lora", "kv_lora")
+FSDP_GATHERED_NAMES = ("embed", "expert_embed", "q_lora", "kv_lora", "lora_rank")
 
 
 def gathered_table(params: dict) -> dict:

@@ -15,8 +15,9 @@ built model ("*" matches any one part); a stacked layer's Dense holds every laye
 leading `layers` axis, and its adapter gets the same leading axes (one adapter per layer).
 
 How adapters are laid out: A takes the kernel's leading and input logical names, B the kernel's
-leading and output names, and the rank between them is `lora_rank`, which no rule table maps
-(meshes/rules.py): each factor splits like the side of the weight it shares, under any layout.
+leading and output names, and the rank between them is `lora_rank` (meshes/rules.py): each
+factor splits like the side of the weight it shares, under any layout, and is whole along the rank
+when it computes; FSDP also stores the rank split over the data axes those names leave free.
 
 How the base stays fixed: the transform re-declares every base parameter's optimizer role as
 "untrained" (models/layers/params.py); the training system then differentiates with respect to

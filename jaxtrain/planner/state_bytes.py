@@ -19,13 +19,10 @@ from jax.sharding import AbstractMesh, AxisType
 
 from meshes.mesh_config import AXES
 from meshes.rules import DATA_PARALLEL_AXES, RuleSet, spec_for
+from meshes.weight_gather import FSDP_GATHERED_NAMES
 
 # The axes the tokens are split over (data parallel and context parallel).
 TOKEN_AXES = DATA_PARALLEL_AXES + ("context",)
-# Weight dimensions that rule tables split only to save memory (FSDP / ZeRO-3): the model width
-# of weights and of routed experts, MLA's ranks. A weight split along them is gathered before it
-# is used; splits along any other dimension (heads, mlp, experts, stages) divide the work.
-FSDP_NAMES = ("embed", "expert_embed", "q_lora", "kv_lora")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +150,8 @@ def state_bytes(shapes: StateShapes, sizes: dict[str, int], rules: RuleSet) -> S
         depth = p.names.index("layers") + 1 if "layers" in p.names else 0
         local_layers = math.prod(-(-d // math.prod(sizes[a] for a in axes))
                                  for d, axes in zip(p.shape[:depth], spec[:depth]))
-        gather = tuple(a for name, axes in zip(p.names, spec) if name in FSDP_NAMES for a in axes)
+        # splits along FSDP's names are gathered for compute; any other split divides the work
+        gather = tuple(a for name, axes in zip(p.names, spec) if name in FSDP_GATHERED_NAMES for a in axes)
         compute = tuple(a for axes in spec for a in axes if a not in gather)
         gathered = per_device * math.prod(sizes[a] for a in gather) // local_layers
         opt_spec = _axes(spec_for(p.names, p.shape, rules.optimizer_table, mesh), len(p.shape))
