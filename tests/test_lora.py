@@ -221,6 +221,30 @@ def test_base_gets_no_gradient_and_no_optimizer_state():
                 assert "data" in jax.tree.leaves(tuple(sharding.spec)), jax.tree_util.keystr(path)
 
 
+@pytest.mark.parametrize("rules", ["fsdp", "zero1", "dp"])
+def test_planner_counts_what_a_lora_run_holds(rules):
+    """The planner's state bytes (jaxtrain/planner/state_bytes.py) of a LoRA run equal what its
+    placed state holds per device: the frozen base as parameters only, Adam moments for the
+    adapters only, laid out like them."""
+    from jaxtrain.planner.state_bytes import state_bytes, state_shapes
+    from meshes.rules import get_rule_set
+
+    cfg = with_lora(TINY, LoraConfig(rank=RANK, alpha=ALPHA, targets=tuple(TARGETS)))
+    mesh = MeshConfig(data=4, tensor=2)
+    setup = build_train_setup(cfg, ParallelPlan(mesh=mesh, rules=rules), TRAIN, OPT, jax.devices()[:8])
+
+    def held(tree, shardings):
+        return sum(np.dtype(x.dtype).itemsize * int(np.prod(s.shard_shape(x.shape)))
+                   for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
+
+    abstract, shardings = setup.state.abstract, setup.state.shardings
+    planned = state_bytes(state_shapes(cfg, setup.tx), mesh.sizes(), get_rule_set(rules))
+    assert planned.params == held(abstract.params, shardings.params) > 0
+    assert planned.optimizer == held(abstract.opt_state, shardings.opt_state) > 0
+    adapter_bytes = 4 * cfg.adapter_count()
+    assert planned.optimizer < 2 * adapter_bytes + 64  # two moments of the adapters at most, and counts
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda: LoraConfig(rank=0), r"LoraConfig\.rank must be a positive integer, got 0"),
     (lambda: LoraConfig(rank=-2), r"LoraConfig\.rank must be a positive integer, got -2"),
