@@ -10,7 +10,7 @@ ARGS ?=
 # Whole modules go to one worker (loadscope) so module fixtures (reference runs) are built once.
 TEST_WORKERS ?= 2
 
-.PHONY: train test test-extended test-fast test-e2e test-reference test-full-size venv clean
+.PHONY: train test test-extended test-fast test-e2e test-reference test-full-size docs venv clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,5 +55,10 @@ test-reference: $(VENV)/.stamp
 test-full-size: $(VENV)/.stamp
 	$(PY) -m pytest tests -m full_size -s $(ARGS)
 
+# The docs site into site/ (mkdocs.yml; the reference pages are generated from the code by
+# docs/hooks/reference.py). --strict: a broken link or a page missing from the nav fails the build.
+docs: $(VENV)/.stamp
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs site
