@@ -127,6 +127,100 @@ def field_notes(cls: type) -> dict[str, tuple[str, str]]:
     return notes
 
 
+# What a field sets where the code gives it no comment (the code's own comment always wins), by
+# "Class.field" or, for names every model family shares, by ".field". Shown in italics, so the page
+# says which words are the code's. A field listed here that no configurable has fails the docs tests.
+FALLBACK = {
+    "Experiment.model": "the model config, e.g. `@LlamaConfig()` (required)",
+    "Experiment.mesh": "the mesh axis sizes; unbound: `MeshConfig`'s bindings",
+    "Experiment.train": "the run's shape; unbound: `TrainConfig`'s bindings",
+    "Experiment.data": "training and evaluation data; unbound: `DataConfig`'s bindings",
+    "Experiment.optimizer": "AdamW and its schedule; unbound: `OptimizerConfig`'s bindings",
+    "Experiment.checkpoint": "when to save and how to resume; unbound: `CheckpointConfig`'s bindings",
+    "Experiment.resilience": "peers, hangs, non-finite steps; unbound: `ResilienceConfig`'s bindings",
+    "Experiment.observe": "logs, evals, samples, profiles; unbound: `ObserveConfig`'s bindings",
+    "TrainConfig.steps": "optimizer steps of the run",
+    "TrainConfig.global_batch": "sequences per step, over all devices",
+    "TrainConfig.seq_len": "tokens per sequence",
+    "TrainConfig.seed": "parameter initialization and data order",
+    "OptimizerConfig.learning_rate": "the peak learning rate, reached after the warmup",
+    "OptimizerConfig.warmup_steps": "steps of linear warmup from zero",
+    "OptimizerConfig.b1": "AdamW's first-moment decay",
+    "OptimizerConfig.b2": "AdamW's second-moment decay",
+    "OptimizerConfig.eps": "AdamW's epsilon",
+    "OptimizerConfig.weight_decay": "decoupled weight decay (not on norm scales, biases or `no_decay` parameters)",
+    "OptimizerConfig.clip_norm": "global gradient-norm clipping; None: no clipping",
+    "CheckpointConfig.keep_checkpoints": "the newest checkpoints kept; older ones are deleted",
+    "CheckpointConfig.async_checkpoint": "write checkpoints in the background while training goes on",
+    "ResilienceConfig.hang_factor": "a later step hangs past this many times the median step",
+    "ResilienceConfig.hang_min_s": "a later step is never called hung before this many seconds",
+    "ResilienceConfig.hang_first_steps_s": "bound of each of the first two steps, compilation included",
+    "ResilienceConfig.hang_restore_s": "bound of the restore or initialization",
+    "ResilienceConfig.hang_save_s": "bound of a save with its wait for the write",
+    "ResilienceConfig.hang_eval_s": "bound of an eval",
+    "ObserveConfig.log_every": "steps between printed log lines",
+    "ObserveConfig.eval_batches": "batches of each periodic eval",
+    "ObserveConfig.sample_prompts": "the prompts of the samples",
+    "ObserveConfig.sample_tokens": "new tokens per sample",
+    "ObserveConfig.eval_tasks_include_path": "a folder of your own task YAMLs",
+    "ObserveConfig.eval_tasks_limit": "documents per task (a fraction if below 1)",
+    "DeviceGroups.rows": "rows of each global batch per device group; (): no groups",
+    "Rollback.max_rollbacks": "halt after this many rollbacks without getting further",
+    "Skip.max_consecutive": "halt after this many non-finite steps in a row",
+    "MeshConfig.pipeline": "pipeline stages",
+    "MeshConfig.data": "data-parallel size (-1: the devices left)",
+    "MeshConfig.context": "context-parallel size: the sequence split over devices",
+    "MeshConfig.expert": "expert-parallel size (a second data axis for dense models)",
+    "MeshConfig.tensor": "tensor-parallel size",
+    "ContextParallel.layout": "which sequence chunks each context rank holds: `@LoadBalanced()` or `@Contiguous()`",
+    "ContextParallel.kv_exchange": "what crosses `context` for attention: `@RingKV()`, `@AllGatherKV()` or "
+                                   "`@LatentKV()`",
+    "Interleaved.virtual_stages": "chunks per stage: passes a microbatch makes through the stages",
+    "LoraConfig.rank": "the adapters' rank",
+    "LoraConfig.alpha": "scale numerator: adapters add (alpha / rank) x B(A(x))",
+    "LoraConfig.dropout": "adapter dropout; only 0.0 is supported",
+    "LoraConfig.targets": "the projections that get adapters, by the family's target names",
+    "LoraModelConfig.base": "the model config the adapters go on",
+    "LoraModelConfig.lora": "the adapters",
+    "RouterConfig.num_experts": "routed experts per MoE layer",
+    "RouterConfig.top_k": "experts each token is routed to",
+    "RouterConfig.norm_topk_prob": "renormalize the chosen experts' weights to sum to 1",
+    "RouterConfig.routed_scaling_factor": "multiplies the routed experts' output",
+    ".vocab_size": "embedding rows: at least the tokenizer's ids",
+    ".embed": "model width",
+    ".layers": "number of layers",
+    ".heads": "attention query heads",
+    ".kv_heads": "key/value heads (grouped-query attention)",
+    ".head_dim": "width of one attention head",
+    ".mlp": "hidden width of the dense MLPs",
+    ".rope_theta": "base of the rotary position frequencies",
+    ".rope_scaling": "rotary scaling: `@NoScaling()`, `@LinearScaling()`, `@Llama3Scaling()` or `@YarnScaling()`",
+    ".norm_eps": "epsilon of the RMSNorms",
+    ".tie_embeddings": "share the embedding table with the LM head",
+    ".attention_bias": "biases on the attention projections",
+    ".mlp_bias": "biases on the MLP projections",
+    ".init_std": "standard deviation of the normal weight initialization",
+    ".dtype": "compute dtype (`bfloat16` for mixed precision); parameters and optimizer state stay float32",
+    ".remat": "activation rematerialization per layer: {remat}",
+    ".router": "the MoE router (`RouterConfig`)",
+    ".ssm": "the Mamba-2 mixer (`SSMConfig`)",
+    ".kv_lora_rank": "MLA's key/value latent width",
+    ".qk_nope_head_dim": "MLA's per-head query/key width without rotary positions",
+    ".qk_rope_head_dim": "MLA's per-head rotary query/key width",
+    ".v_head_dim": "MLA's per-head value width",
+    ".block_k": "keys per block; None: the kernel's default",
+    ".factor": "the scaling factor",
+    ".conv_kernel": "taps of the short causal convolution",
+}
+
+
+def fallback_note(name: str, field: str) -> str:
+    from models.layers.layer_scan import REMAT_POLICIES
+
+    text = FALLBACK.get(f"{name}.{field}") or FALLBACK.get(f".{field}", "")
+    return f"*{text.format(remat=', '.join(f'`{p}`' for p in REMAT_POLICIES))}*" if text else ""
+
+
 def _default(field: dataclasses.Field, registered: dict[type, str]) -> str:
     if field.default is not dataclasses.MISSING:
         value = field.default
@@ -151,8 +245,9 @@ def configuration_markdown() -> str:
     registered = {cls: name for _, name, cls in items}
     out = ["# Configuration reference", "",
            "Generated from the code at every docs build: every gin configurable the CLIs know, each",
-           "field's default and the comment the code gives it. How gin files and bindings work is on",
-           "the [configuration page](../configuration.md); layouts have their own grammar",
+           "field's default and the comment the code gives it (in italics where the code gives none: a",
+           "short description kept with the docs). How gin files and bindings work is on the",
+           "[configuration page](../configuration.md); layouts have their own grammar",
            "([layout strings](../layouts.md#layout-strings)).", ""]
     section = None
     for module, name, cls in items:
@@ -173,6 +268,7 @@ def configuration_markdown() -> str:
         out += ["| field | type | default | what it sets |", "|---|---|---|---|"]
         for f in fields:
             annotation, note = notes.get(f.name, (str(f.type), ""))
+            note = note or fallback_note(name, f.name)
             out.append(f"| `{name}.{f.name}` | `{_cell(annotation)}` | `{_cell(_default(f, registered))}` | "
                        f"{_cell(note)} |")
         out.append("")
