@@ -26,6 +26,8 @@ CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"
 MIN_COMPILE_SECONDS = "0.2"
 HIT_EVENT = "/jax/compilation_cache/compile_time_saved_sec"
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+# Tracing to a jaxpr and lowering it to StableHLO: Python time before every compile request.
+TRACE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
 
 
 def share_compiles_within_the_run() -> None:
@@ -52,6 +54,8 @@ class CompileLedger:
             if event == COMPILE_EVENT:
                 self.totals["requests"] += 1
                 self.totals["request_seconds"] += duration
+            elif event in TRACE_EVENTS:
+                self.totals["trace_seconds"] += duration
             elif event == HIT_EVENT:
                 self.totals["hits"] += 1
                 self.totals["saved_seconds"] += max(duration, 0.0)
@@ -72,4 +76,5 @@ class CompileLedger:
             return None
         return (f"compiles shared within the run: {totals['hits']:.0f} of {totals['requests']:.0f} compile "
                 f"requests were cache hits, saving {totals['saved_seconds']:.0f} s of "
-                f"{totals['request_seconds'] + totals['saved_seconds']:.0f} s of compiling")
+                f"{totals['request_seconds'] + totals['saved_seconds']:.0f} s of compiling; "
+                f"{totals['trace_seconds']:.0f} s tracing and lowering")
