@@ -196,8 +196,12 @@ def test_the_getting_started_page_marks_train_eval_and_generate(tmp_path):
     assert all(f"--workdir={tmp_path}/runs/first" in c for c in commands)
 
 
+# Kept out of `make test` for its time (three CLI processes): its twins there are the page check
+# above (the commands parse, their flags and bindings exist) and tests/test_cli.py, which runs the
+# same train, eval and generate programs on a tiny model.
 @pytest.mark.slow
 @pytest.mark.end_to_end
+@pytest.mark.extended
 def test_the_getting_started_commands_run(tmp_path):
     """The page's train, eval and generate commands, each in its own process as a reader runs them
     (shortened: SHORTER)."""
