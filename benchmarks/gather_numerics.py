@@ -38,11 +38,11 @@ def main(argv=None) -> int:
     from jaxtrain.training.parallel_plan import ParallelPlan
     from jaxtrain.training.step import loss_tokens
     from jaxtrain.training.train_setup import build_train_setup
-    from meshes.mesh import MeshConfig
-    from meshes.rules import use_rules
-    from models.deepseek import DeepSeekConfig
-    from models.layers.router import RouterConfig
-    from models.llama import LlamaConfig
+    from jaxtrain.meshes.mesh import MeshConfig
+    from jaxtrain.meshes.rules import use_rules
+    from jaxtrain.models.deepseek import DeepSeekConfig
+    from jaxtrain.models.layers.router import RouterConfig
+    from jaxtrain.models.llama import LlamaConfig
     from helpers import random_packed_batch  # the suite's packed rows (1-3 documents each)
 
     jax.config.update("jax_threefry_partitionable", True)

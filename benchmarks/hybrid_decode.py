@@ -33,10 +33,10 @@ def main() -> None:
     import jax.numpy as jnp
     from flax import nnx
 
-    from models.layers.attention_impl import BlockwiseAttention
-    from models.layers.pattern_stack import PatternStack
-    from models.layers.mamba2 import SSMConfig
-    from models.nemotron_h import NemotronHConfig
+    from jaxtrain.models.layers.attention_impl import BlockwiseAttention
+    from jaxtrain.models.layers.pattern_stack import PatternStack
+    from jaxtrain.models.layers.mamba2 import SSMConfig
+    from jaxtrain.models.nemotron_h import NemotronHConfig
 
     pattern = ("mamba", "mlp") * 3 + ("mamba", "attention", "mlp") + ("mamba", "mlp") * 2 + ("mamba", "attention", "mamba")
     base = NemotronHConfig(vocab_size=1024, embed=256, pattern=pattern, heads=8, kv_heads=2, head_dim=64, mlp=512,

@@ -32,11 +32,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels.causal_conv1d import causal_conv1d  # noqa: E402
-from pallas_kernels.flash_attention import flash_attention  # noqa: E402
-from pallas_kernels.grouped_matmul import grouped_matmul  # noqa: E402
-from pallas_kernels.moe_routing import route  # noqa: E402
-from pallas_kernels.ssd_scan import ssd_scan  # noqa: E402
+from jaxtrain.pallas_kernels.causal_conv1d import causal_conv1d  # noqa: E402
+from jaxtrain.pallas_kernels.flash_attention import flash_attention  # noqa: E402
+from jaxtrain.pallas_kernels.grouped_matmul import grouped_matmul  # noqa: E402
+from jaxtrain.pallas_kernels.moe_routing import route  # noqa: E402
+from jaxtrain.pallas_kernels.ssd_scan import ssd_scan  # noqa: E402
 
 BF16 = jnp.bfloat16
 ROWS = []  # (section, case, pallas_ms, xla_ms, roof_ms, target, note)

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     from jaxtrain.planner.layout_bench import bench_layout
     from jaxtrain.training.config import load_experiment, parse_gin
     from jaxtrain.training.parallel_plan import ParallelPlan
-    from models.lora import LoraConfig, with_lora
+    from jaxtrain.models.lora import LoraConfig, with_lora
 
     gin.clear_config()
     parse_gin(["configs/deepseek_v2_lite.gin"], ["TrainConfig.global_batch=16"])

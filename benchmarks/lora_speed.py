@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     from jaxtrain.training.config import load_experiment, parse_gin
     from jaxtrain.training.parallel_plan import ParallelPlan
     from jaxtrain.training.train_setup import build_train_setup
-    from models.lora import LoraConfig, with_lora
+    from jaxtrain.models.lora import LoraConfig, with_lora
 
     parse_gin(["configs/deepseek_v2_tiny.gin"], [])
     full = load_experiment()

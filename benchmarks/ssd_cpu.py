@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels.ssd_scan import ssd_scan, ssd_scan_naive  # noqa: E402
+from jaxtrain.pallas_kernels.ssd_scan import ssd_scan, ssd_scan_naive  # noqa: E402
 
 
 def inputs(length: int, h: int, p: int, g: int, n: int, seed: int = 0):

@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     from jaxtrain.training.config import load_experiment, parse_gin
     from jaxtrain.training.parallel_plan import ParallelPlan
     from jaxtrain.training.train_setup import build_train_setup
-    from models.stage_program import StageProgram
+    from jaxtrain.models.stage_program import StageProgram
 
     parse_gin(args.gin_file, args.gin_param)
     exp = load_experiment()

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     from jaxtrain.training.config import load_experiment, parse_gin
     from jaxtrain.training.step import make_update
     from jaxtrain.training.train_setup import build_train_setup
-    from meshes.rules import use_rules
+    from jaxtrain.meshes.rules import use_rules
 
     parse_gin(args.gin_file, args.gin_param)
     exp, plan = apply_layout(load_experiment(), args.layout)

@@ -1,7 +1,7 @@
 """jaxtrain from Python: build a run and step it on batches you provide.
 
     from jaxtrain.api import Run
-    from models.llama import LlamaConfig
+    from jaxtrain.models.llama import LlamaConfig
 
     run = Run.create(LlamaConfig(vocab_size=320), "data=4,tensor=2,rules=fsdp",
                      train=TrainConfig(global_batch=8, seq_len=64, steps=100))
@@ -60,7 +60,7 @@ class Run:
         `devices` may then list each group's devices.
         `lora`: a LoraConfig (models/lora.py): low-rank adapters on a frozen `model`; `params` may
         then be the base's alone (e.g. `hf.load`'s), the adapters starting fresh (B = 0)."""
-        from models.lora import with_lora
+        from jaxtrain.models.lora import with_lora
 
         model = with_lora(model, lora)
         if isinstance(plan, str):

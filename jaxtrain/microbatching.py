@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from meshes.rules import constrain
-from models.layers.aux_outputs import total_aux_loss
+from jaxtrain.meshes.rules import constrain
+from jaxtrain.models.layers.aux_outputs import total_aux_loss
 
 ROW = ("batch", "length")
 

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshes.rules import RuleSet, ShardingRuleError, Table, named_sharding, table_name
-from meshes.tree_paths import path_keys
-from models.layers.params import logical_axes, optimizer_role
+from jaxtrain.meshes.rules import RuleSet, ShardingRuleError, Table, named_sharding, table_name
+from jaxtrain.meshes.tree_paths import path_keys
+from jaxtrain.models.layers.params import logical_axes, optimizer_role
 
 
 

@@ -27,11 +27,11 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshes.context_layout import active_context_parallel, device_order
-from meshes.latent_attention import latent_attention
-from meshes.ring_attention import ring_attention
-from meshes.rules import _ACTIVE, spec_for
-from pallas_kernels.flash_attention import flash_attention
+from jaxtrain.meshes.context_layout import active_context_parallel, device_order
+from jaxtrain.meshes.latent_attention import latent_attention
+from jaxtrain.meshes.ring_attention import ring_attention
+from jaxtrain.meshes.rules import _ACTIVE, spec_for
+from jaxtrain.pallas_kernels.flash_attention import flash_attention
 
 _DEFAULT_BLOCK = 512  # the blockwise kernel's default block (pallas_kernels/flash_attention_xla.py)
 

@@ -24,7 +24,7 @@ import contextvars
 import jax.numpy as jnp
 
 # The settings are jax-free values (a ParallelPlan holds them); re-exported here, where they apply.
-from meshes.context_settings import (AllGatherKV, ContextParallel, Contiguous, LatentKV, LoadBalanced,  # noqa: F401
+from jaxtrain.meshes.context_settings import (AllGatherKV, ContextParallel, Contiguous, LatentKV, LoadBalanced,  # noqa: F401
                                      RingKV, device_order)
 
 _DIRECT_CALLS = ContextParallel(layout=Contiguous())
@@ -47,7 +47,7 @@ def active_context_parallel() -> ContextParallel:
 
 def context_size() -> int:
     """Size of the `context` axis of the active mesh (1 outside `use_rules`)."""
-    from meshes.rules import active_mesh
+    from jaxtrain.meshes.rules import active_mesh
     mesh = active_mesh()
     return 1 if mesh is None else mesh.shape["context"]
 

@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from meshes.context_layout import active_context_parallel
-from meshes.rules import _ACTIVE, spec_for
+from jaxtrain.meshes.context_layout import active_context_parallel
+from jaxtrain.meshes.rules import _ACTIVE, spec_for
 
 AXIS = "context"
 _F32 = jnp.float32

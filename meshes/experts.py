@@ -36,10 +36,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshes.expert_capacity import CapacityDispatch
-from meshes.expert_exchange import make_exchange
-from meshes.rules import RuleSet, spec_for
-from meshes.weight_gather import gather_axes, strategy
+from jaxtrain.meshes.expert_capacity import CapacityDispatch
+from jaxtrain.meshes.expert_exchange import make_exchange
+from jaxtrain.meshes.rules import RuleSet, spec_for
+from jaxtrain.meshes.weight_gather import gather_axes, strategy
 
 TOKEN_NAMES = ("batch", "length", None)
 

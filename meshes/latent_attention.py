@@ -23,8 +23,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import low_precision_dot
-from pallas_kernels.flash_attention import NO_KEYS, attention_backward, attention_forward, merge_partials
+from jaxtrain.pallas_kernels import low_precision_dot
+from jaxtrain.pallas_kernels.flash_attention import NO_KEYS, attention_backward, attention_forward, merge_partials
 
 _F32 = jnp.float32
 

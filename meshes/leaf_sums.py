@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshes.rules import active_mesh
+from jaxtrain.meshes.rules import active_mesh
 
 
 def leaf_sums(local_sum: Callable, tree, specs=None) -> jax.Array:

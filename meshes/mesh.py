@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from meshes.mesh_config import AXES, MeshConfig  # noqa: F401  (re-exported)
+from jaxtrain.meshes.mesh_config import AXES, MeshConfig  # noqa: F401  (re-exported)
 
 
 def resolve_axis_sizes(config: MeshConfig, num_devices: int) -> dict[str, int]:

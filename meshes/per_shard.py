@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshes.rules import _ACTIVE, spec_for
+from jaxtrain.meshes.rules import _ACTIVE, spec_for
 
 Names = Sequence[str | None]
 

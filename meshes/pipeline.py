@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from meshes.rules import constrain
+from jaxtrain.meshes.rules import constrain
 
 
 def run_pipeline(stage_fn: Callable, stage_params, inputs, side: Sequence, schedule, *, stages: int,

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.flash_attention import NO_KEYS, attention_backward, attention_forward, merge_partials
+from jaxtrain.pallas_kernels.flash_attention import NO_KEYS, attention_backward, attention_forward, merge_partials
 
 _F32 = jnp.float32
 

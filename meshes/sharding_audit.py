@@ -39,7 +39,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from meshes.tree_paths import path_text
+from jaxtrain.meshes.tree_paths import path_text
 
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pallas_kernels import low_precision_dot
+from jaxtrain.pallas_kernels import low_precision_dot
 
 # The names FSDP splits over the data-parallel axes on top of tensor/expert parallelism: a weight
 # is "gathered" when these dimensions are whole (meshes/rules.py `_FSDP_PARAMS`).
@@ -89,7 +89,7 @@ class CastWhereUsed:
         return _all_gather_dims(w, axes_per_dim).astype(dtype)
 
     def lookup(self, table, ids, dtype, names, mesh, rules):
-        from meshes.rules import constrain_param
+        from jaxtrain.meshes.rules import constrain_param
         return jnp.take(constrain_param(table, (names[0], None)), ids, axis=0).astype(dtype)
 
 
@@ -104,7 +104,7 @@ class CastThenGather:
     def contract(self, x, w, n_in: int, dtype, names, mesh, rules):
         if mesh is None or dtype is None or jnp.dtype(dtype) == w.dtype:
             return CastWhereUsed().contract(x, w, n_in, dtype, names, mesh, rules)
-        from meshes.rules import spec_for
+        from jaxtrain.meshes.rules import spec_for
         sharded = NamedSharding(mesh, spec_for(names, w.shape, rules.params, mesh))
         gathered = NamedSharding(mesh, spec_for(names, w.shape, gathered_table(rules.params), mesh))
         return _contract_cast_then_gather(x.astype(dtype), w, n_in, jnp.dtype(dtype), sharded, gathered, self.keep)
@@ -112,7 +112,7 @@ class CastThenGather:
     def lookup(self, table, ids, dtype, names, mesh, rules):
         if mesh is None or dtype is None or jnp.dtype(dtype) == table.dtype:
             return CastWhereUsed().lookup(table, ids, dtype, names, mesh, rules)
-        from meshes.rules import spec_for
+        from jaxtrain.meshes.rules import spec_for
         sharded = NamedSharding(mesh, spec_for(names, table.shape, rules.params, mesh))
         rows_whole = NamedSharding(mesh, spec_for((names[0], None), table.shape, rules.params, mesh))
         return _lookup_cast_then_gather(table, ids, jnp.dtype(dtype), sharded, rows_whole)
@@ -140,7 +140,7 @@ def cast_for_use(w, names: Sequence[str | None], dtype):
     attention): under CastThenGather the cast is pinned to the sharded layout, so XLA gathers the
     bf16 copy; the gradient comes back to float32 there. Its reduction happens where the
     consumer's backward produces it (in that consumer's dtype)."""
-    from meshes.rules import active_mesh, active_rules, spec_for
+    from jaxtrain.meshes.rules import active_mesh, active_rules, spec_for
     rules, mesh = active_rules(), active_mesh()
     if (mesh is None or dtype is None or jnp.dtype(dtype) == w.dtype
             or not strategy(rules).casts_before_gather):
@@ -263,13 +263,13 @@ def strategy(rules) -> CastWhereUsed | CastThenGather:
 
 def lookup(table, ids, dtype, names: Sequence[str | None]):
     """Rows `ids` of `table` in `dtype`, the table read whole along its second dim (Embed)."""
-    from meshes.rules import active_mesh, active_rules
+    from jaxtrain.meshes.rules import active_mesh, active_rules
     rules = active_rules()
     return strategy(rules).lookup(table, ids, dtype, tuple(names), active_mesh(), rules)
 
 
 def contract(x, w, n_in: int, dtype, names: Sequence[str | None]):
     """tensordot(x, w) over w's first `n_in` dims in `dtype`, w gathered per the active rules."""
-    from meshes.rules import active_mesh, active_rules
+    from jaxtrain.meshes.rules import active_mesh, active_rules
     rules = active_rules()
     return strategy(rules).contract(x, w, n_in, dtype, tuple(names), active_mesh(), rules)

@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshes.rules import active_rules, constrain
-from models.layers.embed import Embed, LMHead
-from models.loss import chunked_cross_entropy
-from models.layers.norm import RMSNorm
-from models.layers.stack import LayerStack
+from jaxtrain.meshes.rules import active_rules, constrain
+from jaxtrain.models.layers.embed import Embed, LMHead
+from jaxtrain.models.loss import chunked_cross_entropy
+from jaxtrain.models.layers.norm import RMSNorm
+from jaxtrain.models.layers.stack import LayerStack
 
 RESIDUAL = ("batch", "residual_length", "embed")
 

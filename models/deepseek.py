@@ -10,18 +10,18 @@ from typing import Mapping
 
 from flax import nnx
 
-from models.causal_lm import CausalLM, add_residual, layer_input
-from models.dtypes import dtype_from_name
-from models.family import FamilyConfig, model_family
-from models.layers.attention_impl import STRATEGIES as ATTENTION_STRATEGIES
-from models.layers.attention_impl import AutoAttention, check_attention
-from models.layers.mla import MultiHeadLatentAttention, mla_softmax_scale
-from models.layers.mlp import SwiGLU
-from models.layers.moe import MoEBlock
-from models.layers.norm import RMSNorm
-from models.layers.rope import SCALINGS, NoScaling, rope_attention_factor
-from models.layers.router import RouterConfig
-from models.layers.stack import LayerStack
+from jaxtrain.models.causal_lm import CausalLM, add_residual, layer_input
+from jaxtrain.models.dtypes import dtype_from_name
+from jaxtrain.models.family import FamilyConfig, model_family
+from jaxtrain.models.layers.attention_impl import STRATEGIES as ATTENTION_STRATEGIES
+from jaxtrain.models.layers.attention_impl import AutoAttention, check_attention
+from jaxtrain.models.layers.mla import MultiHeadLatentAttention, mla_softmax_scale
+from jaxtrain.models.layers.mlp import SwiGLU
+from jaxtrain.models.layers.moe import MoEBlock
+from jaxtrain.models.layers.norm import RMSNorm
+from jaxtrain.models.layers.rope import SCALINGS, NoScaling, rope_attention_factor
+from jaxtrain.models.layers.router import RouterConfig
+from jaxtrain.models.layers.stack import LayerStack
 
 
 # {target: (module path pattern (models/lora.py), the transformers module it adapts)}. "+" joins

@@ -178,10 +178,10 @@ def families() -> dict[str, FamilySpec]:
 
 @functools.cache
 def _import_family_modules() -> None:
-    import models
-    for info in pkgutil.iter_modules(models.__path__):
+    package = importlib.import_module(__package__)
+    for info in pkgutil.iter_modules(package.__path__):
         if not info.ispkg and info.name != "family":
-            importlib.import_module(f"models.{info.name}")
+            importlib.import_module(f"{__package__}.{info.name}")
 
 
 def family_of(config) -> FamilySpec:

@@ -6,16 +6,16 @@ from typing import Mapping
 
 from flax import nnx
 
-from models.causal_lm import CausalLM, add_residual, layer_input
-from models.dtypes import dtype_from_name
-from models.family import FamilyConfig, model_family
-from models.layers.attention import GroupedQueryAttention
-from models.layers.attention_impl import STRATEGIES as ATTENTION_STRATEGIES
-from models.layers.attention_impl import AutoAttention, check_attention
-from models.layers.mlp import SwiGLU
-from models.layers.norm import RMSNorm
-from models.layers.rope import SCALINGS, NoScaling
-from models.layers.stack import LayerStack
+from jaxtrain.models.causal_lm import CausalLM, add_residual, layer_input
+from jaxtrain.models.dtypes import dtype_from_name
+from jaxtrain.models.family import FamilyConfig, model_family
+from jaxtrain.models.layers.attention import GroupedQueryAttention
+from jaxtrain.models.layers.attention_impl import STRATEGIES as ATTENTION_STRATEGIES
+from jaxtrain.models.layers.attention_impl import AutoAttention, check_attention
+from jaxtrain.models.layers.mlp import SwiGLU
+from jaxtrain.models.layers.norm import RMSNorm
+from jaxtrain.models.layers.rope import SCALINGS, NoScaling
+from jaxtrain.models.layers.stack import LayerStack
 
 
 @model_family("llama", "pre-norm grouped-query attention + SwiGLU, RoPE",

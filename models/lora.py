@@ -34,11 +34,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshes.weight_gather import contract
-from models.family import family_of
-from models.layers.dense import Dense
-from models.layers.expert_ffn import Experts
-from models.layers.params import OPTIMIZER, logical_axes, param, zeros
+from jaxtrain.meshes.weight_gather import contract
+from jaxtrain.models.family import family_of
+from jaxtrain.models.layers.dense import Dense
+from jaxtrain.models.layers.expert_ffn import Experts
+from jaxtrain.models.layers.params import OPTIMIZER, logical_axes, param, zeros
 
 RANK_AXIS = "lora_rank"
 

@@ -12,7 +12,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from meshes.context_layout import context_size
+from jaxtrain.meshes.context_layout import context_size
 
 
 def token_losses(logits, targets):

@@ -7,12 +7,12 @@ from typing import Mapping
 
 from flax import nnx
 
-from models.causal_lm import CausalLM, add_residual, layer_input
-from models.dtypes import dtype_from_name
-from models.family import FamilyConfig, model_family
-from models.layers.mamba2 import Mamba2Mixer, SSMConfig
-from models.layers.norm import RMSNorm
-from models.layers.stack import LayerStack
+from jaxtrain.models.causal_lm import CausalLM, add_residual, layer_input
+from jaxtrain.models.dtypes import dtype_from_name
+from jaxtrain.models.family import FamilyConfig, model_family
+from jaxtrain.models.layers.mamba2 import Mamba2Mixer, SSMConfig
+from jaxtrain.models.layers.norm import RMSNorm
+from jaxtrain.models.layers.stack import LayerStack
 
 
 class Mamba2Block(nnx.Module):

@@ -16,19 +16,19 @@ from typing import Mapping
 
 from flax import nnx
 
-from models.causal_lm import CausalLM, add_residual, layer_input
-from models.dtypes import dtype_from_name
-from models.family import FamilyConfig, model_family
-from models.layers.attention import GroupedQueryAttention
-from models.layers.attention_impl import STRATEGIES as ATTENTION_STRATEGIES
-from models.layers.attention_impl import AutoAttention, check_attention
-from models.layers.mamba2 import SSMConfig
-from models.layers.mlp import PlainMLP
-from models.layers.moe import MoEBlock
-from models.layers.norm import RMSNorm
-from models.layers.pattern_stack import PatternStack
-from models.layers.router import RouterConfig
-from models.mamba2 import Mamba2Block
+from jaxtrain.models.causal_lm import CausalLM, add_residual, layer_input
+from jaxtrain.models.dtypes import dtype_from_name
+from jaxtrain.models.family import FamilyConfig, model_family
+from jaxtrain.models.layers.attention import GroupedQueryAttention
+from jaxtrain.models.layers.attention_impl import STRATEGIES as ATTENTION_STRATEGIES
+from jaxtrain.models.layers.attention_impl import AutoAttention, check_attention
+from jaxtrain.models.layers.mamba2 import SSMConfig
+from jaxtrain.models.layers.mlp import PlainMLP
+from jaxtrain.models.layers.moe import MoEBlock
+from jaxtrain.models.layers.norm import RMSNorm
+from jaxtrain.models.layers.pattern_stack import PatternStack
+from jaxtrain.models.layers.router import RouterConfig
+from jaxtrain.models.mamba2 import Mamba2Block
 
 KINDS = ("mamba", "attention", "mlp", "moe")
 

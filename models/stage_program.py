@@ -19,14 +19,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshes.rules import constrain_param
-from meshes.tree_paths import path_keys
-from models.layers.kind_residuals import scan_kinds
-from models.layers.layer_scan import scan_layers
-from models.layers.moe import MoEBlock
-from models.layers.params import LOGICAL_AXES
-from models.layers.pattern_stack import pattern_slots, read_indices
-from models.layers.stack import LayerStack
+from jaxtrain.meshes.rules import constrain_param
+from jaxtrain.meshes.tree_paths import path_keys
+from jaxtrain.models.layers.kind_residuals import scan_kinds
+from jaxtrain.models.layers.layer_scan import scan_layers
+from jaxtrain.models.layers.moe import MoEBlock
+from jaxtrain.models.layers.params import LOGICAL_AXES
+from jaxtrain.models.layers.pattern_stack import pattern_slots, read_indices
+from jaxtrain.models.layers.stack import LayerStack
 
 
 def layer_stacks(model) -> dict[tuple, LayerStack]:

@@ -6,9 +6,9 @@ Pallas kernel when compiling for a GPU and the XLA reference elsewhere;
 config code lives here.
 """
 
-from pallas_kernels.causal_conv1d import causal_conv1d
-from pallas_kernels.grouped_matmul import grouped_matmul
-from pallas_kernels.moe_routing import RoutingPlan, route
-from pallas_kernels.ssd_scan import ssd_scan
+from jaxtrain.pallas_kernels.causal_conv1d import causal_conv1d
+from jaxtrain.pallas_kernels.grouped_matmul import grouped_matmul
+from jaxtrain.pallas_kernels.moe_routing import RoutingPlan, route
+from jaxtrain.pallas_kernels.ssd_scan import ssd_scan
 
 __all__ = ["causal_conv1d", "grouped_matmul", "route", "RoutingPlan", "ssd_scan"]

@@ -22,8 +22,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _common
-from pallas_kernels.flash_attention_reference import (  # noqa: F401  (re-exported)
+from jaxtrain.pallas_kernels import _common
+from jaxtrain.pallas_kernels.flash_attention_reference import (  # noqa: F401  (re-exported)
     NO_KEYS,
     attention_backward_reference,
     attention_reference,
@@ -43,9 +43,9 @@ def _backend(impl: str):
         return None, False
     use_pallas, interpret = _common.resolve_impl(impl, _NAME)
     if use_pallas:
-        from pallas_kernels import flash_attention_pallas as backend
+        from jaxtrain.pallas_kernels import flash_attention_pallas as backend
         return backend, interpret
-    from pallas_kernels import flash_attention_xla as backend
+    from jaxtrain.pallas_kernels import flash_attention_xla as backend
     return backend, False
 
 

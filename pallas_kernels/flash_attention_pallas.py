@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _common
-from pallas_kernels.flash_attention_pallas_kernels import LOG2E, Dims, dkv_kernel, dq_kernel, forward_kernel
-from pallas_kernels.flash_attention_reference import NO_KEYS, check_shapes
+from jaxtrain.pallas_kernels import _common
+from jaxtrain.pallas_kernels.flash_attention_pallas_kernels import LOG2E, Dims, dkv_kernel, dq_kernel, forward_kernel
+from jaxtrain.pallas_kernels.flash_attention_reference import NO_KEYS, check_shapes
 
 _NAME = "flash_attention"
 _F32 = jnp.float32

@@ -21,9 +21,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels._common import masked_load as load
-from pallas_kernels._common import masked_store as store
-from pallas_kernels.flash_attention_reference import NO_KEYS
+from jaxtrain.pallas_kernels._common import masked_load as load
+from jaxtrain.pallas_kernels._common import masked_store as store
+from jaxtrain.pallas_kernels.flash_attention_reference import NO_KEYS
 
 _F32 = jnp.float32
 LOG2E = math.log2(math.e)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.flash_attention_reference import NO_KEYS
+from jaxtrain.pallas_kernels.flash_attention_reference import NO_KEYS
 
 _NAME = "flash_attention (xla)"
 _F32 = jnp.float32

@@ -24,11 +24,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _common
-from pallas_kernels._common import masked_load as load
-from pallas_kernels._common import masked_store as store
-from pallas_kernels.grouped_matmul_tiled import grouped_matmul_tiled
-from pallas_kernels.tile_schedule import tile_schedule
+from jaxtrain.pallas_kernels import _common
+from jaxtrain.pallas_kernels._common import masked_load as load
+from jaxtrain.pallas_kernels._common import masked_store as store
+from jaxtrain.pallas_kernels.grouped_matmul_tiled import grouped_matmul_tiled
+from jaxtrain.pallas_kernels.tile_schedule import tile_schedule
 
 _NAME = "grouped_matmul"
 # groups x rows x k x n from which the CPU path loops over tiles. Forward + backward on one

@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.tile_schedule import tile_schedule
+from jaxtrain.pallas_kernels.tile_schedule import tile_schedule
 
 
 def _items(group_sizes, m: int, block_m: int):

@@ -25,7 +25,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import target_platform
+from jaxtrain.pallas_kernels._common import target_platform
 
 IMPLS = ("auto", "round_once", "native")
 _LOW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

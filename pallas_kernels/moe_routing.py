@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels import _common
+from jaxtrain.pallas_kernels import _common
 
 _NAME = "route"
 _F32 = jnp.float32

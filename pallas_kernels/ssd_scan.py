@@ -33,15 +33,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _common
-from pallas_kernels.ssd_scan_kernels import (
+from jaxtrain.pallas_kernels import _common
+from jaxtrain.pallas_kernels.ssd_scan_kernels import (
     Dims,
     chunk_bwd_kernel,
     chunk_out_kernel,
     chunk_state_kernel,
     state_pass_kernel,
 )
-from pallas_kernels.ssd_scan_reference import pad_time, padded_segment_ids, ssd_scan_naive, ssd_scan_reference
+from jaxtrain.pallas_kernels.ssd_scan_reference import pad_time, padded_segment_ids, ssd_scan_naive, ssd_scan_reference
 
 __all__ = ["SsdConfig", "ssd_scan", "ssd_scan_naive", "ssd_scan_reference"]
 

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels._common import masked_load as load
-from pallas_kernels._common import masked_store as store
+from jaxtrain.pallas_kernels._common import masked_load as load
+from jaxtrain.pallas_kernels._common import masked_store as store
 
 _F32 = jnp.float32
 

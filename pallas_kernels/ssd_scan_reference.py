@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _common
+from jaxtrain.pallas_kernels import _common
 
 _F32 = jnp.float32
 

@@ -13,8 +13,8 @@ from jaxtrain.training.config import TrainConfig
 from jaxtrain.training.optim import OptimizerConfig
 from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.training.train_setup import build_train_setup
-from meshes.mesh import MeshConfig
-from models.llama import LlamaConfig
+from jaxtrain.meshes.mesh import MeshConfig
+from jaxtrain.models.llama import LlamaConfig
 
 TINY_LLAMA = LlamaConfig(vocab_size=96, embed=32, layers=2, heads=4, kv_heads=4, mlp=64)
 # For runs on the corpus (the byte tokenizer's 259 ids): a smaller vocabulary would look up

@@ -78,7 +78,7 @@ def forward(model, tokens, mesh=None):
     import jax
     from flax import nnx
 
-    from meshes.rules import get_rule_set, use_rules
+    from jaxtrain.meshes.rules import get_rule_set, use_rules
 
     graphdef, state = nnx.split(model)
     run = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))

@@ -13,7 +13,21 @@ import os
 from collections import defaultdict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("pallas_kernels", "meshes", "models", "jaxtrain")  # the layers, lowest first (ARCHITECTURE.md)
+PACKAGES = ("pallas_kernels", "meshes", "models", "jaxtrain")  # the layers' folders, lowest first (ARCHITECTURE.md)
+# Each folder's import name: the model layers are imported under jaxtrain's name (jaxtrain/__init__.py).
+IMPORT_NAMES = {folder: f"jaxtrain.{folder}" for folder in PACKAGES[:-1]} | {"jaxtrain": "jaxtrain"}
+# Top-level names the layers had before they moved under jaxtrain's: importing one would load a
+# second copy of a module (a second registry, classes that are not the same classes).
+STALE_NAMES = PACKAGES[:-1]
+
+
+def layer_of(module: str) -> str:
+    """The layer (folder) of a dotted module name."""
+    for folder in PACKAGES[:-1]:
+        name = IMPORT_NAMES[folder]
+        if module == name or module.startswith(name + "."):
+            return folder
+    return "jaxtrain"
 
 
 def modules(repo: str = REPO) -> dict[str, str]:
@@ -24,8 +38,9 @@ def modules(repo: str = REPO) -> dict[str, str]:
             for name in files:
                 if name.endswith(".py") and name != "__main__.py":
                     path = os.path.join(folder, name)
-                    dotted = os.path.relpath(path, repo)[:-3].replace(os.sep, ".")
-                    found[dotted.removesuffix(".__init__")] = path
+                    dotted = os.path.relpath(path, os.path.join(repo, package))[:-3].replace(os.sep, ".")
+                    dotted = f"{IMPORT_NAMES[package]}.{dotted}".removesuffix(".__init__")
+                    found[dotted] = path
     return found
 
 
@@ -56,7 +71,7 @@ def module_graph(repo: str = REPO) -> dict[str, set[str]]:
             else:
                 continue
             for target in targets:
-                if target.split(".")[0] in PACKAGES:
+                if target.split(".")[0] == "jaxtrain":
                     resolved = resolve(target)
                     if resolved and resolved != module:
                         graph[module].add(resolved)
@@ -66,12 +81,34 @@ def module_graph(repo: str = REPO) -> dict[str, set[str]]:
 def package_of(module: str) -> str:
     """The unit of the package-level graph: jaxtrain's subpackages (jaxtrain.training, ...) and
     top-level modules (jaxtrain.api), models.layers apart from models, and the other layers whole."""
-    parts = module.split(".")
-    if parts[0] == "jaxtrain":
-        return ".".join(parts[:2])
-    if parts[:2] == ["models", "layers"]:
-        return "models.layers"
-    return parts[0]
+    layer = layer_of(module)
+    if layer == "jaxtrain":
+        return ".".join(module.split(".")[:2])
+    layers = f"{IMPORT_NAMES['models']}.layers"
+    if module == layers or module.startswith(layers + "."):
+        return layers
+    return IMPORT_NAMES[layer]
+
+
+def stale_imports(roots=("jaxtrain", "models", "meshes", "pallas_kernels", "tests", "benchmarks"),
+                  repo: str = REPO) -> list[str]:
+    """'file:line: name' for each import of a STALE_NAMES module under `roots`."""
+    found = []
+    for root in roots:
+        for folder, _, files in os.walk(os.path.join(repo, root)):
+            for name in files:
+                if not name.endswith(".py"):
+                    continue
+                path = os.path.join(folder, name)
+                with open(path) as f:
+                    tree = ast.parse(f.read(), path)
+                for node in ast.walk(tree):
+                    names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                             [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module
+                             else [])
+                    found += [f"{os.path.relpath(path, repo)}:{node.lineno}: {n}" for n in names
+                              if n.split(".")[0] in STALE_NAMES]
+    return found
 
 
 def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:

@@ -9,7 +9,7 @@ import pytest
 from helpers import TINY_LLAMA, random_packed_batch, train_losses
 from jaxtrain.api import Run
 from jaxtrain.training.config import TrainConfig
-from meshes.mesh import MeshConfig
+from jaxtrain.meshes.mesh import MeshConfig
 from pipeline_helpers import PIPELINE_OPT, initial_params
 
 pytestmark = [pytest.mark.slow]

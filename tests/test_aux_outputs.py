@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from models.layers.aux_outputs import AuxOutput, apply_after_update, aux_metrics, has_after_update, total_aux_loss
-from models.layers.moe import RoutingStats
+from jaxtrain.models.layers.aux_outputs import AuxOutput, apply_after_update, aux_metrics, has_after_update, total_aux_loss
+from jaxtrain.models.layers.moe import RoutingStats
 
 pytestmark = [pytest.mark.fast]
 

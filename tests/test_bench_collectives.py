@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.cli import bench_collectives as bc
-from meshes.mesh import MeshConfig, build_mesh
+from jaxtrain.meshes.mesh import MeshConfig, build_mesh
 from ports import reserved_port
 from processes import child_env
 

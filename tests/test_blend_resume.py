@@ -16,7 +16,7 @@ from jaxtrain.data.packing import DataConfig
 from jaxtrain.training.config import Experiment, TrainConfig
 from jaxtrain.training.run_configs import CheckpointConfig, ObserveConfig
 from jaxtrain.training.trainer import Trainer
-from meshes.mesh import MeshConfig
+from jaxtrain.meshes.mesh import MeshConfig
 from data_reference import reference_blend_rows
 
 pytestmark = [pytest.mark.slow]

@@ -10,11 +10,11 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from meshes.context_layout import ContextParallel, Contiguous, LoadBalanced, device_order, use_context_parallel
-from meshes.mesh import AXES, MeshConfig, build_mesh
-from meshes.rules import get_rule_set, use_rules
-from models.layers.mamba2 import Mamba2Mixer, SSMConfig
-from pallas_kernels.gpu_lowering import GPU_DEVICE_KINDS, count_triton_kernels
+from jaxtrain.meshes.context_layout import ContextParallel, Contiguous, LoadBalanced, device_order, use_context_parallel
+from jaxtrain.meshes.mesh import AXES, MeshConfig, build_mesh
+from jaxtrain.meshes.rules import get_rule_set, use_rules
+from jaxtrain.models.layers.mamba2 import Mamba2Mixer, SSMConfig
+from jaxtrain.pallas_kernels.gpu_lowering import GPU_DEVICE_KINDS, count_triton_kernels
 
 pytestmark = [pytest.mark.slow]
 

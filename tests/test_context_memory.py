@@ -10,10 +10,10 @@ from jaxtrain.data.packing import DataConfig
 from jaxtrain.training.optim import OptimizerConfig
 from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.pipeline.config import PipelineConfig
-from meshes.mesh import MeshConfig
-from models.layers.mamba2 import SSMConfig
-from models.llama import LlamaConfig
-from models.mamba2 import Mamba2Config
+from jaxtrain.meshes.mesh import MeshConfig
+from jaxtrain.models.layers.mamba2 import SSMConfig
+from jaxtrain.models.llama import LlamaConfig
+from jaxtrain.models.mamba2 import Mamba2Config
 
 pytestmark = [pytest.mark.slow]
 
@@ -47,6 +47,6 @@ def test_temp_memory_is_linear_in_length_and_divided_by_context(name):
 
 def test_materialized_attention_is_what_grows_quadratically():
     """The check above can fail: the reference implementation's temp grows ~16x for 4x length."""
-    from models.layers.attention_impl import MaterializedAttention
+    from jaxtrain.models.layers.attention_impl import MaterializedAttention
     model = dataclasses.replace(MODELS["llama"], attention=MaterializedAttention())
     assert temp_gib(model, 4, 8192) > 8 * temp_gib(model, 4, 2048)

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from helpers import TINY_LLAMA, assert_trees_close, initial_params, train_losses, with_train
-from meshes.context_layout import AllGatherKV, ContextParallel, Contiguous, LoadBalanced, RingKV, device_order
-from meshes.mesh import MeshConfig
-from models.layers.mamba2 import SSMConfig
+from jaxtrain.meshes.context_layout import AllGatherKV, ContextParallel, Contiguous, LoadBalanced, RingKV, device_order
+from jaxtrain.meshes.mesh import MeshConfig
+from jaxtrain.models.layers.mamba2 import SSMConfig
 from pipeline_helpers import PIPELINE_OPT
-from models.mamba2 import Mamba2Config
+from jaxtrain.models.mamba2 import Mamba2Config
 from test_deepseek import TINY_DEEPSEEK
 from test_nemotron_h import TINY_NEMOTRON_H
 

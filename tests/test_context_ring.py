@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshes.context_attention import sharded_attention
-from meshes.context_layout import AllGatherKV, ContextParallel, Contiguous, LoadBalanced, RingKV, device_order
-from meshes.context_layout import use_context_parallel
-from meshes.mesh import MeshConfig, build_mesh
-from meshes.rules import get_rule_set, use_rules
-from pallas_kernels.flash_attention import flash_attention
+from jaxtrain.meshes.context_attention import sharded_attention
+from jaxtrain.meshes.context_layout import AllGatherKV, ContextParallel, Contiguous, LoadBalanced, RingKV, device_order
+from jaxtrain.meshes.context_layout import use_context_parallel
+from jaxtrain.meshes.mesh import MeshConfig, build_mesh
+from jaxtrain.meshes.rules import get_rule_set, use_rules
+from jaxtrain.pallas_kernels.flash_attention import flash_attention
 
 pytestmark = [pytest.mark.fast]
 
@@ -192,8 +192,8 @@ def test_zigzag_chunk_tiles_skip_what_causality_hides():
     rank holds at each ring step: a rank attends chunks r and 2C-1-r to every chunk, 16 chunk
     pairs; (r + 1) + (2C - r) = 2C + 1 of them hold a visible key. With one block per rank's
     tokens (the kernel's default before) no tile is skipped."""
-    from meshes.context_attention import layout_block
-    from pallas_kernels.flash_attention_xla import _may_see, _tokens
+    from jaxtrain.meshes.context_attention import layout_block
+    from jaxtrain.pallas_kernels.flash_attention_xla import _may_see, _tokens
 
     order = device_order(LoadBalanced(), LENGTH, CONTEXT)
     local = LENGTH // CONTEXT

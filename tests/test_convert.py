@@ -22,7 +22,7 @@ from jaxtrain.data.packing import DataConfig, make_train_iterator
 from jaxtrain.hf.safetensors_io import SafetensorsDir
 from jaxtrain.training.optim import OptimizerConfig
 from jaxtrain.training.trainer import Trainer
-from meshes.mesh import MeshConfig
+from jaxtrain.meshes.mesh import MeshConfig
 
 pytestmark = [pytest.mark.slow]
 

@@ -9,7 +9,7 @@ import pytest
 
 from jaxtrain.data import packing as data
 from jaxtrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
-from meshes.mesh import MeshConfig, build_mesh
+from jaxtrain.meshes.mesh import MeshConfig, build_mesh
 
 from data_reference import FIELDS, reference_windows
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from helpers import assert_trees_close, train_losses
-from meshes.mesh import MeshConfig
-from models.deepseek import DeepSeekConfig
-from models.layers.router import RouterConfig
+from jaxtrain.meshes.mesh import MeshConfig
+from jaxtrain.models.deepseek import DeepSeekConfig
+from jaxtrain.models.layers.router import RouterConfig
 
 pytestmark = [pytest.mark.slow]
 

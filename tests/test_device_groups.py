@@ -24,8 +24,8 @@ from jaxtrain.generate.loading import load_workdir
 from jaxtrain.training.config import TrainConfig, load_experiment, parse_gin
 from jaxtrain.training.device_groups import DeviceGroups, one_mesh_program
 from jaxtrain.training.parallel_plan import ParallelPlan
-from models.deepseek import DeepSeekConfig
-from models.layers.router import RouterConfig
+from jaxtrain.models.deepseek import DeepSeekConfig
+from jaxtrain.models.layers.router import RouterConfig
 from pipeline_helpers import PIPELINE_OPT, initial_params
 from ports import reserved_port
 from processes import start_train_processes, wait_for

@@ -106,7 +106,7 @@ def test_the_configuration_reference_lists_every_field_of_every_configurable(ref
 
 def test_the_generated_tables_come_from_the_code(reference):
     from jaxtrain.training import plan_keys
-    from meshes import rules
+    from jaxtrain.meshes import rules
 
     expanded = reference.expand("<!-- generated: layout-keys -->\n<!-- generated: rule-tables -->\n"
                                 "<!-- generated: logical-names -->")

@@ -8,13 +8,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from meshes.expert_exchange import make_exchange, ragged_back_plan, ragged_send_plan, PaddedExchange
-from meshes.experts import moe_forward
-from meshes.mesh import AXES
-from meshes.rules import get_rule_set, use_rules
-from models.layers.expert_ffn import WEIGHT_AXES, GatedExperts
-from models.layers.moe import make_route_fn
-from models.layers.router import RouterConfig
+from jaxtrain.meshes.expert_exchange import make_exchange, ragged_back_plan, ragged_send_plan, PaddedExchange
+from jaxtrain.meshes.experts import moe_forward
+from jaxtrain.meshes.mesh import AXES
+from jaxtrain.meshes.rules import get_rule_set, use_rules
+from jaxtrain.models.layers.expert_ffn import WEIGHT_AXES, GatedExperts
+from jaxtrain.models.layers.moe import make_route_fn
+from jaxtrain.models.layers.router import RouterConfig
 
 pytestmark = [pytest.mark.fast]
 

@@ -14,9 +14,9 @@ import jaxtrain.hf.families as hf_families_pkg
 from jaxtrain.hf import registry as hf_registry
 from helpers import bundled_config_files
 from jaxtrain.training.config import load_experiment, parse_gin
-from models.family import FamilyConfig, Runtime, _FAMILIES, families, family_of, model_family
-from models.layers.attention_impl import BlockwiseAttention, MaterializedAttention
-from models.llama import LlamaConfig, build_llama
+from jaxtrain.models.family import FamilyConfig, Runtime, _FAMILIES, families, family_of, model_family
+from jaxtrain.models.layers.attention_impl import BlockwiseAttention, MaterializedAttention
+from jaxtrain.models.llama import LlamaConfig, build_llama
 
 pytestmark = [pytest.mark.fast]
 
@@ -97,9 +97,9 @@ def test_every_bundled_config_loads_and_survives_the_saved_config_gin(name, clea
 
 def test_a_config_gin_saved_before_the_family_records_still_loads(clean_gin):
     from jaxtrain.resilience.nonfinite import Rollback
-    from meshes.context_layout import AllGatherKV, Contiguous
-    from models.deepseek import DeepSeekConfig
-    from models.layers.rope import YarnScaling
+    from jaxtrain.meshes.context_layout import AllGatherKV, Contiguous
+    from jaxtrain.models.deepseek import DeepSeekConfig
+    from jaxtrain.models.layers.rope import YarnScaling
 
     exp = _experiment_from(SAVED_BEFORE_RECORDS)
     model = exp.model

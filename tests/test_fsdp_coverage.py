@@ -8,12 +8,12 @@ import pytest
 
 from helpers import TINY_LLAMA
 from jaxtrain.training.state import abstract_model, param_shardings
-from meshes.mesh import MeshConfig, build_mesh
-from meshes.rules import get_rule_set
-from meshes.sharding_audit import audit_sharding, check_sufficiently_sharded
-from models.deepseek import DeepSeekConfig
-from models.layers.router import RouterConfig
-from models.nemotron_h import NemotronHConfig
+from jaxtrain.meshes.mesh import MeshConfig, build_mesh
+from jaxtrain.meshes.rules import get_rule_set
+from jaxtrain.meshes.sharding_audit import audit_sharding, check_sufficiently_sharded
+from jaxtrain.models.deepseek import DeepSeekConfig
+from jaxtrain.models.layers.router import RouterConfig
+from jaxtrain.models.nemotron_h import NemotronHConfig
 
 pytestmark = [pytest.mark.fast]
 

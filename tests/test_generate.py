@@ -106,8 +106,8 @@ def one_device_outputs(tiny):
 def test_layouts_generate_the_one_device_tokens(tiny, one_device_outputs, layout):
     import jax
 
-    from meshes.mesh import MeshConfig, build_mesh
-    from meshes.rules import get_rule_set
+    from jaxtrain.meshes.mesh import MeshConfig, build_mesh
+    from jaxtrain.meshes.rules import get_rule_set
 
     sizes = LAYOUTS[layout]
     mesh = build_mesh(MeshConfig(**sizes), jax.devices()[:int(np.prod(list(sizes.values())))])

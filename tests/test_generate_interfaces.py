@@ -93,7 +93,7 @@ def test_run_generate_on_a_mesh_uses_the_current_parameters():
     from jaxtrain.api import Run
     from jaxtrain.generate.loading import canonical_model
     from jaxtrain.training.config import TrainConfig
-    from models.llama import LlamaConfig
+    from jaxtrain.models.llama import LlamaConfig
 
     cfg = LlamaConfig(vocab_size=64, embed=32, layers=2, heads=4, kv_heads=2, mlp=48)
     run = Run.create(cfg, "data=2,tensor=2", train=TrainConfig(global_batch=4, seq_len=16, steps=2), seed=1)

@@ -12,7 +12,7 @@ from jaxtrain.generate import Engine, count_compiles
 from jaxtrain.generate.loading import canonical_model
 from jaxtrain.training.config import TrainConfig
 from jaxtrain.training.device_groups import DeviceGroups
-from models.llama import LlamaConfig
+from jaxtrain.models.llama import LlamaConfig
 
 pytestmark = [pytest.mark.slow]
 

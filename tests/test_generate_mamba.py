@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.layers.mamba2 import Mamba2Mixer, SSMConfig
+from jaxtrain.models.layers.mamba2 import Mamba2Mixer, SSMConfig
 
 pytestmark = [pytest.mark.slow]
 
@@ -112,8 +112,8 @@ def test_cache_is_constant_size_whatever_max_len(mixer, run):
 
 def test_prefill_under_context_parallelism_is_refused_by_name(mixer):
     """The context-parallel scan does not return the final state: prefill says so, before compile."""
-    from meshes.mesh import MeshConfig, build_mesh
-    from meshes.rules import get_rule_set, use_rules
+    from jaxtrain.meshes.mesh import MeshConfig, build_mesh
+    from jaxtrain.meshes.rules import get_rule_set, use_rules
 
     mesh = build_mesh(MeshConfig(context=2), jax.devices()[:2])
     seg, pos = left_padded(VALID_FROM, 8)
@@ -189,8 +189,8 @@ def test_hybrid_on_data2_tensor2_generates_the_one_device_tokens(imported):
     from jaxtrain.generate import Engine
     from jaxtrain.generate.engine import left_pad
     from jaxtrain.generate.sampling import Sampling
-    from meshes.mesh import MeshConfig, build_mesh
-    from meshes.rules import get_rule_set
+    from jaxtrain.meshes.mesh import MeshConfig, build_mesh
+    from jaxtrain.meshes.rules import get_rule_set
 
     mesh = build_mesh(MeshConfig(data=2, tensor=2), jax.devices()[:4])
     engine = Engine(hf.load(imported.dir, mesh=mesh), mesh=mesh, rules=get_rule_set("dp"), bucket=16)

@@ -10,9 +10,9 @@ from helpers import jaxpr_shapes
 from flax import nnx
 
 from jaxtrain.generate.compiles import count_compiles
-from models.layers.attention_impl import BlockwiseAttention, MaterializedAttention
-from models.layers.mla import MultiHeadLatentAttention, mla_softmax_scale
-from models.layers.rope import NoScaling
+from jaxtrain.models.layers.attention_impl import BlockwiseAttention, MaterializedAttention
+from jaxtrain.models.layers.mla import MultiHeadLatentAttention, mla_softmax_scale
+from jaxtrain.models.layers.rope import NoScaling
 
 pytestmark = [pytest.mark.slow]
 
@@ -92,8 +92,8 @@ def test_decode_never_forms_per_head_context_keys():
 
 
 def tiny_deepseek(capacity_factor):
-    from models.deepseek import DeepSeekConfig
-    from models.layers.router import RouterConfig
+    from jaxtrain.models.deepseek import DeepSeekConfig
+    from jaxtrain.models.layers.router import RouterConfig
     return DeepSeekConfig(embed=EMBED, heads=HEADS, kv_lora_rank=KV_LORA, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
                           v_head_dim=V, expert_mlp=16, init_std=0.2,
                           router=RouterConfig(num_experts=8, top_k=2, capacity_factor=capacity_factor))
@@ -105,9 +105,9 @@ def test_moe_block_decodes_batch_times_one_tokens(capacity_factor, mesh_config):
     """A DeepSeekMoE block routes decode's b x 1 tokens as training routes b x l: with a capacity
     that drops nothing (cf = experts / top_k, so C = the local tokens) prefill + decode equal the
     training forward, one device or expert-parallel."""
-    from meshes.mesh import MeshConfig, build_mesh
-    from meshes.rules import get_rule_set, use_rules
-    from models.deepseek import DeepSeekBlock
+    from jaxtrain.meshes.mesh import MeshConfig, build_mesh
+    from jaxtrain.meshes.rules import get_rule_set, use_rules
+    from jaxtrain.models.deepseek import DeepSeekBlock
     block = DeepSeekBlock(tiny_deepseek(capacity_factor), moe=True, rngs=nnx.Rngs(3))
     batch, valid_from = 4, np.array([0, 2, 5, 1], np.int32)
     total = PROMPT + 2
@@ -204,8 +204,8 @@ def test_deepseek_on_data2_tensor2_generates_the_one_device_tokens(tiny_hf):
     from jaxtrain.generate import Engine
     from jaxtrain.generate.engine import left_pad
     from jaxtrain.generate.sampling import Sampling
-    from meshes.mesh import MeshConfig, build_mesh
-    from meshes.rules import get_rule_set
+    from jaxtrain.meshes.mesh import MeshConfig, build_mesh
+    from jaxtrain.meshes.rules import get_rule_set
     one_device = tiny_hf["engine"].generate(tiny_hf["prompts"], max_new_tokens=12)
     mesh = build_mesh(MeshConfig(data=2, tensor=2), jax.devices()[:4])
     engine = Engine(hf.load(tiny_hf["dir"], mesh=mesh), mesh=mesh, rules=get_rule_set("dp"), bucket=16)

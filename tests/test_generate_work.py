@@ -13,9 +13,9 @@ import pytest
 from helpers import jaxpr_shapes
 from flax import nnx
 
-from models.layers.attention_impl import BlockwiseAttention
-from models.layers.decode_attention import grouped_query_decode, latent_decode
-from models.layers.decode_cache import LayerCache
+from jaxtrain.models.layers.attention_impl import BlockwiseAttention
+from jaxtrain.models.layers.decode_attention import grouped_query_decode, latent_decode
+from jaxtrain.models.layers.decode_cache import LayerCache
 
 pytestmark = [pytest.mark.slow]
 
@@ -85,7 +85,7 @@ def test_reads_only_the_filled_blocks_and_equals_a_float64_softmax(arrays, kind,
 
 
 def tiny_llama(block):
-    from models.llama import LlamaConfig
+    from jaxtrain.models.llama import LlamaConfig
     return LlamaConfig(vocab_size=64, embed=32, layers=3, heads=4, kv_heads=2, mlp=48,
                        attention=BlockwiseAttention(decode_block=block))
 
@@ -150,6 +150,6 @@ def test_many_block_decode_logits_equal_the_full_forward(family, prompts):
 
 
 def test_a_bad_decode_block_is_named():
-    from models.layers.decode_attention import decode_block
+    from jaxtrain.models.layers.decode_attention import decode_block
     with pytest.raises(ValueError, match="decode_block must be a whole number >= 1, got 0"):
         decode_block(BlockwiseAttention(decode_block=0))

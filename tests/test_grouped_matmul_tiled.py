@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels.grouped_matmul_tiled as tiled
-from pallas_kernels.grouped_matmul_tiled import grouped_matmul_tiled
+import jaxtrain.pallas_kernels.grouped_matmul_tiled as tiled
+from jaxtrain.pallas_kernels.grouped_matmul_tiled import grouped_matmul_tiled
 
 pytestmark = [pytest.mark.fast]
 
@@ -157,7 +157,7 @@ def test_the_cpu_dispatch_takes_the_tiles_past_its_threshold(monkeypatch):
     """grouped_matmul(impl="xla") on CPU: past TILED_MIN_DENSE_WORK it runs the tile loop (a
     `while` in its jaxpr, no ragged_dot), below it ragged_dot; both equal the float64 loop."""
     import importlib
-    gm = importlib.import_module("pallas_kernels.grouped_matmul")  # the module (the package exports the function)
+    gm = importlib.import_module("jaxtrain.pallas_kernels.grouped_matmul")  # the module (the package exports the function)
 
     rng = np.random.default_rng(7)
     sizes = np.asarray(CASES["ragged"], np.int32)

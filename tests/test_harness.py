@@ -366,7 +366,7 @@ def test_task_scores_while_training_use_the_current_parameters(hf_dirs, workdir,
     from jaxtrain.training.optim import OptimizerConfig
     from jaxtrain.training.run_configs import CheckpointConfig, ObserveConfig
     from jaxtrain.training.trainer import Trainer
-    from meshes.mesh import MeshConfig
+    from jaxtrain.meshes.mesh import MeshConfig
 
     run_dir = tmp_path / "run"
     shutil.copytree(workdir, run_dir)

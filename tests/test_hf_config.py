@@ -10,8 +10,8 @@ import pytest
 from jaxtrain.hf.errors import HFConfigError
 from jaxtrain.hf.families.llama import config_from_hf, config_to_hf
 from jaxtrain.hf.gin_config import model_gin
-from models.layers.rope import Llama3Scaling, LinearScaling, NoScaling
-from models.llama import LlamaConfig
+from jaxtrain.models.layers.rope import Llama3Scaling, LinearScaling, NoScaling
+from jaxtrain.models.llama import LlamaConfig
 
 pytestmark = [pytest.mark.fast]
 

@@ -17,10 +17,10 @@ from jaxtrain.hf.errors import HFConfigError
 from jaxtrain.hf.families.deepseek_v2 import config_from_hf, config_to_hf
 from jaxtrain.hf.safetensors_io import SafetensorsDir
 from jaxtrain.hf.verify import transformers_logits
-from meshes.mesh import MeshConfig, build_mesh
-from models.deepseek import DeepSeekConfig
-from models.layers.rope import NoScaling, YarnScaling
-from models.layers.router import RouterConfig
+from jaxtrain.meshes.mesh import MeshConfig, build_mesh
+from jaxtrain.models.deepseek import DeepSeekConfig
+from jaxtrain.models.layers.rope import NoScaling, YarnScaling
+from jaxtrain.models.layers.router import RouterConfig
 
 pytestmark = [pytest.mark.slow]
 

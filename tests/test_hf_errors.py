@@ -14,7 +14,7 @@ from jaxtrain import hf
 from jaxtrain.cli import convert
 from jaxtrain.hf.errors import HFCheckpointError, HFConfigError
 from jaxtrain.hf.memory_check import write_random_hf_dir
-from models.llama import LlamaConfig
+from jaxtrain.models.llama import LlamaConfig
 
 pytestmark = [pytest.mark.fast]
 

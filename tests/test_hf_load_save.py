@@ -14,8 +14,8 @@ from hf_tiny_models import forward, random_tokens, relative_error, save_tiny_lla
 from jaxtrain import hf
 from jaxtrain.hf.safetensors_io import SafetensorsDir
 from jaxtrain.hf.verify import compare_logits, transformers_logits
-from meshes.mesh import MeshConfig, build_mesh
-from models.layers.rope import Llama3Scaling, LinearScaling
+from jaxtrain.meshes.mesh import MeshConfig, build_mesh
+from jaxtrain.models.layers.rope import Llama3Scaling, LinearScaling
 
 pytestmark = [pytest.mark.slow]
 
@@ -143,7 +143,7 @@ def test_bf16_checkpoint_imports_exactly_and_exports_byte_equal(tmp_path):
     from jaxtrain.hf.memory_check import RandomRows
     from jaxtrain.hf.saving import ParamsSource
     from jaxtrain.hf.trees import unflatten
-    from models.llama import LlamaConfig
+    from jaxtrain.models.llama import LlamaConfig
 
     config = LlamaConfig(vocab_size=64, embed=32, layers=2, heads=4, kv_heads=2, mlp=48)
     plan = ExportPlan(hf.family_for_config(config), config, dtype="bfloat16")

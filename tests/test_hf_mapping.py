@@ -14,7 +14,7 @@ from jaxtrain.hf.exporter import ExportPlan
 from jaxtrain.hf.importer import ImportPlan
 from jaxtrain.hf.mapping import Family, TensorMap
 from jaxtrain.hf.rearrange import parse
-from models.layers.params import param, zeros
+from jaxtrain.models.layers.params import param, zeros
 
 pytestmark = [pytest.mark.fast]
 

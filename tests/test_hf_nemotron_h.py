@@ -17,8 +17,8 @@ from jaxtrain.hf.errors import HFConfigError
 from jaxtrain.hf.families import nemotron_h as family
 from jaxtrain.hf.safetensors_io import SafetensorsDir
 from jaxtrain.hf.verify import transformers_logits
-from meshes.mesh import MeshConfig, build_mesh
-from models.layers.router import RouterConfig
+from jaxtrain.meshes.mesh import MeshConfig, build_mesh
+from jaxtrain.models.layers.router import RouterConfig
 
 pytestmark = [pytest.mark.slow]
 

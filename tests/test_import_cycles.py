@@ -6,7 +6,7 @@ by moving what both sides need below both (data/text_files.py, train_state.py,
 training/restore_latest.py) and by handing the Trainer its sampler instead of importing generation."""
 import pytest
 
-from import_graph import PACKAGES, cycles, edges_within, module_graph, package_graph, package_of
+from import_graph import PACKAGES, cycles, edges_within, layer_of, module_graph, package_graph, package_of, stale_imports
 
 pytestmark = [pytest.mark.fast]
 
@@ -23,8 +23,7 @@ def test_no_module_imports_itself_round_a_loop(graph):
 
 def test_each_layer_imports_only_the_layers_below_it(graph):
     rank = {package: i for i, package in enumerate(PACKAGES)}
-    upward = sorted(f"{a} -> {b}" for a, bs in graph.items() for b in bs
-                    if rank[b.split(".")[0]] > rank[a.split(".")[0]])
+    upward = sorted(f"{a} -> {b}" for a, bs in graph.items() for b in bs if rank[layer_of(b)] > rank[layer_of(a)])
     assert not upward, f"imports of a higher layer ({' < '.join(PACKAGES)}): {upward}"
 
 
@@ -32,3 +31,8 @@ def test_packages_form_no_loop(graph):
     loops = cycles(package_graph(graph))
     assert not loops, "import loops between packages (each with the module imports behind it):\n" + "\n".join(
         f"{c}: {edges_within(graph, c, package_of)}" for c in loops)
+
+
+def test_the_layers_are_imported_under_jaxtrain_only():
+    """`jaxtrain.models`, never `models`: a second name would load a second copy of each module."""
+    assert not stale_imports(), stale_imports()

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from kernel_checks import TOL, assert_close
-from pallas_kernels import gpu_lowering
-from pallas_kernels.causal_conv1d import causal_conv1d
+from jaxtrain.pallas_kernels import gpu_lowering
+from jaxtrain.pallas_kernels.causal_conv1d import causal_conv1d
 
 pytestmark = [pytest.mark.fast, pytest.mark.gpu]
 

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 
 from kernel_checks import TOL, assert_close, exact_f32_matmuls  # noqa: F401
-from models.layers.attention_core import attention_mask, dot_product_attention
-from pallas_kernels.flash_attention import (
+from jaxtrain.models.layers.attention_core import attention_mask, dot_product_attention
+from jaxtrain.pallas_kernels.flash_attention import (
     NO_KEYS,
     attention_backward,
     attention_backward_reference,
     attention_forward,
     flash_attention,
 )
-from pallas_kernels.flash_attention_reference import visible
+from jaxtrain.pallas_kernels.flash_attention_reference import visible
 
 pytestmark = [pytest.mark.fast, pytest.mark.gpu, pytest.mark.usefixtures("exact_f32_matmuls")]
 
@@ -192,7 +192,7 @@ def test_shard_map_carries_type_check():
     carries must vary over both (built from the inputs, never from jnp.zeros)."""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-    from pallas_kernels import flash_attention_xla
+    from jaxtrain.pallas_kernels import flash_attention_xla
 
     if len(jax.devices()) < 4:  # the GPU check runs this file natively on one GPU
         pytest.skip("needs 4 devices (the suite has 16 simulated CPU devices)")

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from kernel_checks import TOL, assert_close, exact_f32_matmuls  # noqa: F401
-from pallas_kernels import flash_attention as fa
-from pallas_kernels import flash_attention_pallas, gpu_lowering
-from pallas_kernels.flash_attention_reference import visible
+from jaxtrain.pallas_kernels import flash_attention as fa
+from jaxtrain.pallas_kernels import flash_attention_pallas, gpu_lowering
+from jaxtrain.pallas_kernels.flash_attention_reference import visible
 
 pytestmark = [pytest.mark.fast, pytest.mark.gpu, pytest.mark.usefixtures("exact_f32_matmuls")]
 

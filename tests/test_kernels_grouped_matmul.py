@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from kernel_checks import TOL, assert_close, exact_f32_matmuls  # noqa: F401
-from pallas_kernels import gpu_lowering
-from pallas_kernels.grouped_matmul import grouped_matmul, tile_schedule
+from jaxtrain.pallas_kernels import gpu_lowering
+from jaxtrain.pallas_kernels.grouped_matmul import grouped_matmul, tile_schedule
 
 pytestmark = [pytest.mark.fast, pytest.mark.gpu, pytest.mark.usefixtures("exact_f32_matmuls")]
 

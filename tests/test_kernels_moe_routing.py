@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import gpu_lowering
-from pallas_kernels.moe_routing import route
+from jaxtrain.pallas_kernels import gpu_lowering
+from jaxtrain.pallas_kernels.moe_routing import route
 
 pytestmark = [pytest.mark.fast, pytest.mark.gpu]
 

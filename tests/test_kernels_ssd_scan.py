@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kernel_checks import TOL, assert_close, exact_f32_matmuls  # noqa: F401
-from pallas_kernels import gpu_lowering
-from pallas_kernels.ssd_scan import ssd_scan, ssd_scan_naive
+from jaxtrain.pallas_kernels import gpu_lowering
+from jaxtrain.pallas_kernels.ssd_scan import ssd_scan, ssd_scan_naive
 
 pytestmark = [pytest.mark.fast, pytest.mark.gpu, pytest.mark.usefixtures("exact_f32_matmuls")]
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from helpers import assert_trees_close
-from meshes.pipeline_split import plan_stages
-from models.layers.kind_residuals import scan_kinds
-from models.layers.pattern_stack import pattern_slots
-from models.stage_program import StageProgram, layer_sequence
+from jaxtrain.meshes.pipeline_split import plan_stages
+from jaxtrain.models.layers.kind_residuals import scan_kinds
+from jaxtrain.models.layers.pattern_stack import pattern_slots
+from jaxtrain.models.stage_program import StageProgram, layer_sequence
 from test_layer_scan import (D, KEEP, KINDS, LAYERS, hybrid, loop_reference, loss_of, residual_bytes,  # noqa: F401
                              stage_inputs, toy, toy_stacks)
 
@@ -75,7 +75,7 @@ def test_stage_loop_chooses_the_kinds_loop_where_kinds_alternate_under_full_and_
     `PipelineConfig.stage_loop` picks another loop on purpose, and a loop it does not know is
     refused before any tracing."""
     from jaxtrain.pipeline.config import PipelineConfig
-    from models.stage_program import StageProgram, stage_loop
+    from jaxtrain.models.stage_program import StageProgram, stage_loop
     alternating, grouped = ("mamba", "moe", "mamba", "attention"), ("mamba", "mamba", "moe")
     assert [stage_loop(alternating, r) for r in ("none", "dots", "offload_dots", "full")] == ["runs"] * 3 + ["kinds"]
     assert [stage_loop(grouped, r) for r in ("none", "dots", "full")] == ["runs"] * 3
@@ -188,7 +188,7 @@ def test_a_pipelined_kinds_stage_trains_as_one_device(monkeypatch):
 
     import jaxtrain.pipeline.gradients as gradients
     from jaxtrain.pipeline.config import PipelineConfig
-    from meshes.mesh import MeshConfig
+    from jaxtrain.meshes.mesh import MeshConfig
     from pipeline_helpers import initial_params, run_steps
     from test_pipeline_nemotron_h import NEMOTRON8, TRAIN
 

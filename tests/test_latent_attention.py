@@ -15,15 +15,15 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.observe.hlo_dots import dot_dtypes
-from meshes.context_layout import (ContextParallel, LatentKV, LoadBalanced, RingKV, device_order,
+from jaxtrain.meshes.context_layout import (ContextParallel, LatentKV, LoadBalanced, RingKV, device_order,
                                    use_context_parallel)
-from meshes.latent_attention import latent_attention
-from meshes.mesh import MeshConfig, build_mesh
-from meshes.rules import get_rule_set, use_rules
-from models.layers.attention_impl import BlockwiseAttention, MaterializedAttention
-from models.layers.mla import MultiHeadLatentAttention, mla_softmax_scale
-from models.layers.rope import NoScaling
-from pallas_kernels.flash_attention import attention_reference
+from jaxtrain.meshes.latent_attention import latent_attention
+from jaxtrain.meshes.mesh import MeshConfig, build_mesh
+from jaxtrain.meshes.rules import get_rule_set, use_rules
+from jaxtrain.models.layers.attention_impl import BlockwiseAttention, MaterializedAttention
+from jaxtrain.models.layers.mla import MultiHeadLatentAttention, mla_softmax_scale
+from jaxtrain.models.layers.rope import NoScaling
+from jaxtrain.pallas_kernels.flash_attention import attention_reference
 
 pytestmark = [pytest.mark.fast]
 

@@ -14,10 +14,10 @@ import pytest
 from flax import nnx
 
 from helpers import assert_trees_close
-from meshes.pipeline_split import plan_stages
-from models.layers.layer_scan import scan_layers
-from models.layers.pattern_stack import layer_of, pattern_slots, read_indices
-from models.stage_program import StageProgram, layer_sequence, layer_stacks
+from jaxtrain.meshes.pipeline_split import plan_stages
+from jaxtrain.models.layers.layer_scan import scan_layers
+from jaxtrain.models.layers.pattern_stack import layer_of, pattern_slots, read_indices
+from jaxtrain.models.stage_program import StageProgram, layer_sequence, layer_stacks
 from test_nemotron_h import TINY_NEMOTRON_H
 
 pytestmark = [pytest.mark.slow]  # compiles a tiny hybrid model's stage

@@ -17,9 +17,9 @@ from jaxtrain import hf
 from jaxtrain.training.optim import OptimizerConfig
 from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.training.train_setup import build_train_setup
-from meshes.mesh import MeshConfig
-from models.llama import LlamaConfig
-from models.lora import LoraConfig, with_lora
+from jaxtrain.meshes.mesh import MeshConfig
+from jaxtrain.models.llama import LlamaConfig
+from jaxtrain.models.lora import LoraConfig, with_lora
 
 pytestmark = [pytest.mark.slow]
 
@@ -227,7 +227,7 @@ def test_planner_counts_what_a_lora_run_holds(rules):
     placed state holds per device: the frozen base as parameters only, Adam moments for the
     adapters only, laid out like them."""
     from jaxtrain.planner.state_bytes import state_bytes, state_shapes
-    from meshes.rules import get_rule_set
+    from jaxtrain.meshes.rules import get_rule_set
 
     cfg = with_lora(TINY, LoraConfig(rank=RANK, alpha=ALPHA, targets=tuple(TARGETS)))
     mesh = MeshConfig(data=4, tensor=2)
@@ -260,7 +260,7 @@ def test_bad_config_is_one_line(make, message):
 
 
 def test_family_without_targets_is_an_error():
-    from models.mamba2 import Mamba2Config
+    from jaxtrain.models.mamba2 import Mamba2Config
     with pytest.raises(ValueError, match=r"model family 'mamba2' declares no adapter targets"):
         with_lora(Mamba2Config(), LoraConfig())
 

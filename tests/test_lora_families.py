@@ -21,7 +21,7 @@ from hf_tiny_models import save_tiny_deepseek_v2
 from jaxtrain import hf
 from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.training.train_setup import build_train_setup
-from models.lora import LoraConfig, with_lora
+from jaxtrain.models.lora import LoraConfig, with_lora
 from test_lora import OPT, STEPS, _batch
 
 pytestmark = [pytest.mark.slow]
@@ -272,8 +272,8 @@ def test_mla_latent_path_and_decode_apply_the_kv_b_adapter():
     without an adapter, its kv_up kernel merged by hand, on the per-head (materialized) path."""
     import jax.numpy as jnp
 
-    from models.layers.attention_impl import BlockwiseAttention, MaterializedAttention
-    from models.lora import add_adapters
+    from jaxtrain.models.layers.attention_impl import BlockwiseAttention, MaterializedAttention
+    from jaxtrain.models.lora import add_adapters
     from test_generate_mla import (BATCH, EMBED, MAX_LEN, NEW, PROMPT, VALID_FROM, assert_rel_close, build_mla,
                                    generation_fns, left_padded)
 

@@ -22,8 +22,8 @@ from jaxtrain.training.config import Experiment, TrainConfig
 from jaxtrain.training.optim import OptimizerConfig
 from jaxtrain.training.run_configs import CheckpointConfig, ObserveConfig
 from jaxtrain.training.trainer import Trainer
-from meshes.mesh import MeshConfig
-from models.lora import LoraConfig
+from jaxtrain.meshes.mesh import MeshConfig
+from jaxtrain.models.lora import LoraConfig
 
 pytestmark = [pytest.mark.slow]
 

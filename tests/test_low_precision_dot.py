@@ -15,13 +15,13 @@ from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
 from jaxtrain.observe.hlo_dots import dot_dtypes
-from meshes.mesh import MeshConfig, build_mesh
-from meshes.rules import get_rule_set, named_sharding, use_rules
-from models.layers.dense import Dense
-from models.layers.expert_ffn import GatedExperts
-from models.layers.layer_scan import REMAT_POLICIES
-from pallas_kernels import low_precision_dot as lpd
-from pallas_kernels.gpu_lowering import GPU_DEVICE_KINDS
+from jaxtrain.meshes.mesh import MeshConfig, build_mesh
+from jaxtrain.meshes.rules import get_rule_set, named_sharding, use_rules
+from jaxtrain.models.layers.dense import Dense
+from jaxtrain.models.layers.expert_ffn import GatedExperts
+from jaxtrain.models.layers.layer_scan import REMAT_POLICIES
+from jaxtrain.pallas_kernels import low_precision_dot as lpd
+from jaxtrain.pallas_kernels.gpu_lowering import GPU_DEVICE_KINDS
 
 pytestmark = [pytest.mark.fast]
 

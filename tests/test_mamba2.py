@@ -20,9 +20,9 @@ from hf_tiny_models import random_tokens, relative_error, save_tiny_mamba2
 from jaxtrain import hf
 from jaxtrain.hf.safetensors_io import SafetensorsDir
 from jaxtrain.hf.verify import transformers_logits
-from models.layers.mamba2 import Mamba2Mixer, SSMConfig
-from models.mamba2 import Mamba2Config
-from pallas_kernels.ssd_scan import ssd_scan, ssd_scan_naive
+from jaxtrain.models.layers.mamba2 import Mamba2Mixer, SSMConfig
+from jaxtrain.models.mamba2 import Mamba2Config
+from jaxtrain.pallas_kernels.ssd_scan import ssd_scan, ssd_scan_naive
 
 pytestmark = [pytest.mark.fast]
 
@@ -141,8 +141,8 @@ def test_mixer_does_not_leak_across_packed_documents():
 
 def _param_shardings(cfg, tensor: int):
     from jaxtrain.training.state import abstract_model, param_shardings
-    from meshes.mesh import MeshConfig, build_mesh
-    from meshes.rules import get_rule_set
+    from jaxtrain.meshes.mesh import MeshConfig, build_mesh
+    from jaxtrain.meshes.rules import get_rule_set
 
     _, abstract = abstract_model(cfg)
     mesh = build_mesh(MeshConfig(data=16 // tensor, tensor=tensor))

@@ -4,8 +4,8 @@ import math
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from meshes.mesh import AXES, MeshConfig, build_mesh, split_over_processes
-from meshes.rules import RULE_SETS, get_rule_set, spec_for
+from jaxtrain.meshes.mesh import AXES, MeshConfig, build_mesh, split_over_processes
+from jaxtrain.meshes.rules import RULE_SETS, get_rule_set, spec_for
 
 pytestmark = [pytest.mark.fast]
 
@@ -71,7 +71,7 @@ def test_fsdp_splits_expert_weights_over_their_expert_data_parallel_axes():
     """Folded experts on data=4 x context=2 x tensor=2: EP over data x context, EDP over tensor.
     FSDP keeps each expert weight 1/(EP x EDP) per device; with expert TP the hidden dim holds
     tensor instead; without FSDP the EDP copies stay whole."""
-    from models.layers.expert_ffn import WEIGHT_AXES
+    from jaxtrain.models.layers.expert_ffn import WEIGHT_AXES
 
     mesh = build_mesh(MeshConfig(data=4, context=2, tensor=2))
     up, down = (64, 32, 16), (64, 16, 32)  # experts, embed, hidden / experts, hidden, embed

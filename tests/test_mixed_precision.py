@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from helpers import TINY_LLAMA, train_losses
-from meshes.mesh import MeshConfig
+from jaxtrain.meshes.mesh import MeshConfig
 
 pytestmark = [pytest.mark.slow]
 

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshes.mesh import MeshConfig, build_mesh
-from meshes.rules import get_rule_set, use_rules
-from models.layers.mla import MultiHeadLatentAttention, mla_softmax_scale
-from models.layers.rope import NoScaling, YarnScaling, rope_attention_factor
+from jaxtrain.meshes.mesh import MeshConfig, build_mesh
+from jaxtrain.meshes.rules import get_rule_set, use_rules
+from jaxtrain.models.layers.mla import MultiHeadLatentAttention, mla_softmax_scale
+from jaxtrain.models.layers.rope import NoScaling, YarnScaling, rope_attention_factor
 
 torch = pytest.importorskip("torch")
 from transformers import DeepseekV2Config  # noqa: E402

@@ -19,8 +19,8 @@ from jaxtrain.pipeline.config import PipelineConfig
 from jaxtrain.training.config import Experiment, TrainConfig
 from jaxtrain.training.optim import OptimizerConfig
 from jaxtrain.training.parallel_plan import ParallelPlan
-from meshes.mesh import MeshConfig
-from models.deepseek import DeepSeekConfig
+from jaxtrain.meshes.mesh import MeshConfig
+from jaxtrain.models.deepseek import DeepSeekConfig
 
 pytestmark = [pytest.mark.slow]
 

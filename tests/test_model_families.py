@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 
 import jaxtrain.training.config  # noqa: F401  (the whole gin registry, as a run has it)
-from models.family import _FAMILIES, FamilyConfig, ModelConfig, families, family_of, model_family
-from models.llama import LlamaConfig, build_llama
+from jaxtrain.models.family import _FAMILIES, FamilyConfig, ModelConfig, families, family_of, model_family
+from jaxtrain.models.llama import LlamaConfig, build_llama
 
 pytestmark = [pytest.mark.fast]
 

@@ -12,11 +12,11 @@ from flax import nnx
 
 from helpers import assert_finite, random_packed_batch
 from kernel_checks import pallas_kernel_names
-from models.deepseek import DeepSeekConfig
-from models.layers.aux_outputs import aux_outputs
-from models.layers.mamba2 import SSMConfig
-from models.layers.router import RouterConfig
-from models.nemotron_h import NemotronHConfig
+from jaxtrain.models.deepseek import DeepSeekConfig
+from jaxtrain.models.layers.aux_outputs import aux_outputs
+from jaxtrain.models.layers.mamba2 import SSMConfig
+from jaxtrain.models.layers.router import RouterConfig
+from jaxtrain.models.nemotron_h import NemotronHConfig
 
 pytestmark = [pytest.mark.slow]
 
@@ -94,7 +94,7 @@ def test_pallas_kernels_under_a_mesh_match_xla():
     """Under a mesh the kernels run per shard (meshes/per_shard.py, the MoE's shard_map): three
     training steps on data=8 x tensor=2 give the same losses and parameters either way."""
     from helpers import assert_trees_close, train_losses, with_train
-    from meshes.mesh import MeshConfig
+    from jaxtrain.meshes.mesh import MeshConfig
 
     train = with_train(global_batch=8, seq_len=24)
     pallas_cfg = dataclasses.replace(TINY_HYBRID, kernels="pallas")

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshes.expert_capacity import apply_capacity
-from meshes.experts import dispatch_for, moe_forward
-from meshes.mesh import MeshConfig, build_mesh
-from meshes.rules import get_rule_set, use_rules
-from models.layers.expert_ffn import WEIGHT_AXES, GatedExperts, PlainExperts
-from models.layers.moe import MoEBlock, make_route_fn
-from models.layers.router import RouterConfig
+from jaxtrain.meshes.expert_capacity import apply_capacity
+from jaxtrain.meshes.experts import dispatch_for, moe_forward
+from jaxtrain.meshes.mesh import MeshConfig, build_mesh
+from jaxtrain.meshes.rules import get_rule_set, use_rules
+from jaxtrain.models.layers.expert_ffn import WEIGHT_AXES, GatedExperts, PlainExperts
+from jaxtrain.models.layers.moe import MoEBlock, make_route_fn
+from jaxtrain.models.layers.router import RouterConfig
 
 pytestmark = [pytest.mark.fast]
 
@@ -157,7 +157,7 @@ def test_tiled_dispatch_over_tensor_and_expert_equals_one_device_values_and_grad
     buffer of EP x its slots, about half filled, and the hidden dim is split over `tensor`. Output
     and the gradients of x, logits and every expert weight equal one device's (same tile loop)."""
     import importlib
-    gm = importlib.import_module("pallas_kernels.grouped_matmul")
+    gm = importlib.import_module("jaxtrain.pallas_kernels.grouped_matmul")
     monkeypatch.setattr(gm, "TILED_MIN_DENSE_WORK", 0)
     d, h = 20, 24  # shapes no other test traces: grouped_matmul's jit cache must not hold a ragged_dot
     rng = np.random.default_rng(26)

@@ -14,13 +14,13 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from helpers import assert_finite, assert_trees_close, random_packed_batch
 from jaxtrain.training.step import AccumulatedGradients, loss_tokens, training_loss
-from meshes.expert_capacity import CapacityDispatch
-from meshes.experts import dispatch_for, moe_forward
-from meshes.mesh import AXES, MeshConfig, build_mesh
-from meshes.rules import get_rule_set, use_rules
-from models.layers.expert_ffn import WEIGHT_AXES, GatedExperts, PlainExperts
-from models.layers.moe import make_route_fn
-from models.layers.router import RouterConfig
+from jaxtrain.meshes.expert_capacity import CapacityDispatch
+from jaxtrain.meshes.experts import dispatch_for, moe_forward
+from jaxtrain.meshes.mesh import AXES, MeshConfig, build_mesh
+from jaxtrain.meshes.rules import get_rule_set, use_rules
+from jaxtrain.models.layers.expert_ffn import WEIGHT_AXES, GatedExperts, PlainExperts
+from jaxtrain.models.layers.moe import make_route_fn
+from jaxtrain.models.layers.router import RouterConfig
 
 pytestmark = [pytest.mark.slow]
 

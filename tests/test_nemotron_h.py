@@ -9,12 +9,12 @@ import pytest
 from flax import nnx, struct
 
 from helpers import assert_trees_close, initial_params, train_losses
-from meshes.mesh import MeshConfig
-from models.layers.aux_outputs import AuxOutput
-from models.layers.mamba2 import SSMConfig
-from models.layers.pattern_stack import PatternStack
-from models.layers.router import RouterConfig
-from models.nemotron_h import NemotronHConfig
+from jaxtrain.meshes.mesh import MeshConfig
+from jaxtrain.models.layers.aux_outputs import AuxOutput
+from jaxtrain.models.layers.mamba2 import SSMConfig
+from jaxtrain.models.layers.pattern_stack import PatternStack
+from jaxtrain.models.layers.router import RouterConfig
+from jaxtrain.models.nemotron_h import NemotronHConfig
 
 pytestmark = [pytest.mark.slow]
 
@@ -122,8 +122,8 @@ def test_layout_errors_name_the_field(change, tensor, message):
     import dataclasses
 
     from jaxtrain.training.state import abstract_model, param_shardings
-    from meshes.mesh import build_mesh
-    from meshes.rules import get_rule_set
+    from jaxtrain.meshes.mesh import build_mesh
+    from jaxtrain.meshes.rules import get_rule_set
 
     cfg = dataclasses.replace(TINY_NEMOTRON_H, **change)
     with pytest.raises(ValueError, match=message):

@@ -11,8 +11,8 @@ from helpers import TINY_LLAMA, TINY_OPT, assert_trees_close, initial_params, tr
 from jaxtrain.checkpoints.checkpointer import Checkpointer
 from jaxtrain.training.optim import make_optimizer
 from jaxtrain.training.state import init_state, state_shardings
-from meshes.mesh import MeshConfig, build_mesh
-from meshes.rules import get_rule_set
+from jaxtrain.meshes.mesh import MeshConfig, build_mesh
+from jaxtrain.meshes.rules import get_rule_set
 
 pytestmark = [pytest.mark.slow]
 

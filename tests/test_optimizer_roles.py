@@ -10,8 +10,8 @@ import pytest
 
 from jaxtrain.training.optim import OptimizerConfig, make_optimizer
 from jaxtrain.training.state import optimizer_roles
-from models.family import families
-from models.layers.router import RouterConfig
+from jaxtrain.models.family import families
+from jaxtrain.models.layers.router import RouterConfig
 
 pytestmark = [pytest.mark.fast]
 
@@ -65,7 +65,7 @@ def test_adamw_leaves_ssm_dynamics_undecayed(family):
     from flax import nnx
 
     from jaxtrain.training.state import abstract_model
-    from meshes.tree_paths import path_keys
+    from jaxtrain.meshes.tree_paths import path_keys
 
     def by_path(tree) -> dict:
         return {path_keys(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from helpers import TINY_LLAMA, assert_finite, assert_trees_close, random_packed_batch, train_losses, with_train
-from meshes.mesh import MeshConfig
+from jaxtrain.meshes.mesh import MeshConfig
 
 pytestmark = [pytest.mark.slow]
 

@@ -12,12 +12,12 @@ import pytest
 from jaxtrain.training.config import Experiment, TrainConfig
 from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.pipeline.config import PipelineConfig
-from meshes.context_layout import AllGatherKV, ContextParallel, Contiguous, LatentKV, LoadBalanced, RingKV
+from jaxtrain.meshes.context_layout import AllGatherKV, ContextParallel, Contiguous, LatentKV, LoadBalanced, RingKV
 from jaxtrain.training import plan_keys
-from meshes.mesh_config import AXES, MeshConfig
-from meshes.pipeline_schedules import GPipe, Interleaved
-from models.llama import LlamaConfig
-from models.mamba2 import Mamba2Config
+from jaxtrain.meshes.mesh_config import AXES, MeshConfig
+from jaxtrain.meshes.pipeline_schedules import GPipe, Interleaved
+from jaxtrain.models.llama import LlamaConfig
+from jaxtrain.models.mamba2 import Mamba2Config
 
 pytestmark = [pytest.mark.fast]
 

@@ -15,10 +15,10 @@ from jaxtrain.training.optim import make_optimizer
 from jaxtrain.training.run_configs import LossConfig
 from jaxtrain.training.state import state_shardings
 from jaxtrain.training.step import AccumulatedGradients, batch_shardings
-from meshes.mesh import MeshConfig, build_mesh
-from meshes.rules import get_rule_set, use_rules
-from models.layers.pattern_stack import PatternStack
-from models.layers.stack import REMAT_POLICIES
+from jaxtrain.meshes.mesh import MeshConfig, build_mesh
+from jaxtrain.meshes.rules import get_rule_set, use_rules
+from jaxtrain.models.layers.pattern_stack import PatternStack
+from jaxtrain.models.layers.stack import REMAT_POLICIES
 from test_nemotron_h import TINY_NEMOTRON_H
 
 # The model-level twin of tests/test_layer_scan.py (which checks the one scan helper against a Python

@@ -16,8 +16,8 @@ from jaxtrain.training.run_configs import CheckpointConfig, ObserveConfig
 from jaxtrain.data.packing import DataConfig
 from jaxtrain.pipeline.config import PipelineConfig
 from jaxtrain.training.trainer import Trainer
-from meshes.mesh import MeshConfig
-from meshes.pipeline_schedules import GPipe, Interleaved
+from jaxtrain.meshes.mesh import MeshConfig
+from jaxtrain.meshes.pipeline_schedules import GPipe, Interleaved
 from pipeline_helpers import PIPELINE_OPT
 
 pytestmark = [pytest.mark.slow]

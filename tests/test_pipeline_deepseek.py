@@ -11,8 +11,8 @@ import pytest
 
 from helpers import assert_trees_close, with_train
 from jaxtrain.pipeline.config import PipelineConfig
-from meshes.mesh import MeshConfig
-from meshes.pipeline_schedules import Interleaved
+from jaxtrain.meshes.mesh import MeshConfig
+from jaxtrain.meshes.pipeline_schedules import Interleaved
 from pipeline_helpers import initial_params, run_steps
 from test_deepseek import TINY_DEEPSEEK
 

@@ -9,8 +9,8 @@ import pytest
 
 from helpers import TINY_LLAMA, assert_trees_close, with_train
 from jaxtrain.pipeline.config import PipelineConfig
-from meshes.mesh import MeshConfig
-from meshes.pipeline_schedules import GPipe, Interleaved
+from jaxtrain.meshes.mesh import MeshConfig
+from jaxtrain.meshes.pipeline_schedules import GPipe, Interleaved
 from pipeline_helpers import initial_params, run_steps
 
 pytestmark = [pytest.mark.slow]

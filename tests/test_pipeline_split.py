@@ -11,9 +11,9 @@ from jaxtrain.data.packing import DataConfig
 from jaxtrain.pipeline.config import PipelineConfig
 from jaxtrain.training.trainer import Trainer
 from helpers import TINY_LLAMA_BYTES, TINY_OPT
-from meshes.mesh import MeshConfig
-from meshes.pipeline_schedules import GPipe, Interleaved
-from meshes.pipeline_split import balanced_counts, chunk_counts, common_supersequence, plan_stages
+from jaxtrain.meshes.mesh import MeshConfig
+from jaxtrain.meshes.pipeline_schedules import GPipe, Interleaved
+from jaxtrain.meshes.pipeline_split import balanced_counts, chunk_counts, common_supersequence, plan_stages
 
 pytestmark = [pytest.mark.fast]
 
@@ -109,9 +109,9 @@ def test_reference_pipeline_configs_plan_their_stages(gin_file, counts):
     import gin
 
     from jaxtrain.training.config import load_experiment, parse_gin
-    from meshes.experts import resolve_layout
-    from meshes.mesh import build_mesh
-    from meshes.rules import get_rule_set
+    from jaxtrain.meshes.experts import resolve_layout
+    from jaxtrain.meshes.mesh import build_mesh
+    from jaxtrain.meshes.rules import get_rule_set
 
     gin.clear_config()
     try:

@@ -23,7 +23,7 @@ from jaxtrain.training.config import TrainConfig, load_experiment, parse_gin
 from jaxtrain.training.optim import OptimizerConfig
 from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.training.train_setup import build_train_setup
-from meshes.sharding_audit import audit_sharding
+from jaxtrain.meshes.sharding_audit import audit_sharding
 
 from helpers import TINY_LLAMA
 
@@ -177,7 +177,7 @@ def test_devices_that_do_not_add_up_are_refused(tmp_path):
 
 @pytest.mark.slow  # a model-size compile or a whole run: out of the edit-test lane
 def test_a_model_that_fits_no_layout_is_told_how_far_it_is():
-    from models.llama import LlamaConfig
+    from jaxtrain.models.llama import LlamaConfig
     # ~31 B parameters: float32 parameters and their gradients alone are ~124 GB per A100 of two
     # (even with the moments in host memory; Llama-3-8B fits since the update holds one copy, not three)
     big = LlamaConfig(vocab_size=128256, embed=4096, layers=128, heads=32, kv_heads=8, mlp=14336, dtype="bfloat16")
@@ -279,7 +279,7 @@ def test_shares_follow_a_calibration_run_over_the_time_model(tmp_path):
 def test_the_collectives_bench_output_is_read_as_link_figures(tmp_path):
     """Rows written by `python -m jaxtrain.bench collectives --json` on a real (CPU) mesh."""
     from jaxtrain.cli.bench_collectives import run_all, write_json
-    from meshes.mesh import MeshConfig, build_mesh
+    from jaxtrain.meshes.mesh import MeshConfig, build_mesh
     mesh = build_mesh(MeshConfig(data=2, tensor=8))
     rows = run_all(mesh, [("tensor",), ("data",)], ["all_reduce"], [4096, 65536], iters=2, repeats=1)
     path = tmp_path / "links.jsonl"

@@ -22,8 +22,8 @@ from jaxtrain.training.config import TrainConfig
 from jaxtrain.training.optim import OptimizerConfig
 from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.training.train_setup import build_train_setup
-from meshes.context_settings import LatentKV, RingKV
-from models.deepseek import DeepSeekConfig
+from jaxtrain.meshes.context_settings import LatentKV, RingKV
+from jaxtrain.models.deepseek import DeepSeekConfig
 
 pytestmark = [pytest.mark.slow]
 

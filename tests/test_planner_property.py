@@ -29,10 +29,10 @@ from jaxtrain.planner.planner import Planner, Workload
 from jaxtrain.planner.verify import compiled_memory
 from jaxtrain.training.config import Experiment, TrainConfig
 from jaxtrain.training.optim import OptimizerConfig
-from models.deepseek import DeepSeekConfig
-from models.layers.router import RouterConfig
-from models.llama import LlamaConfig
-from models.nemotron_h import NemotronHConfig
+from jaxtrain.models.deepseek import DeepSeekConfig
+from jaxtrain.models.layers.router import RouterConfig
+from jaxtrain.models.llama import LlamaConfig
+from jaxtrain.models.nemotron_h import NemotronHConfig
 
 pytestmark = [pytest.mark.slow]
 

@@ -16,9 +16,9 @@ from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.training.step import make_update
 from jaxtrain.training.train_setup import build_train_setup
 from jaxtrain.training.config import TrainConfig
-from meshes.mesh import MeshConfig
-from meshes.rules import get_rule_set, use_rules
-from models.llama import LlamaConfig
+from jaxtrain.meshes.mesh import MeshConfig
+from jaxtrain.meshes.rules import get_rule_set, use_rules
+from jaxtrain.models.llama import LlamaConfig
 
 pytestmark = [pytest.mark.fast]
 

@@ -14,7 +14,7 @@ from jaxtrain.training.config import TrainConfig
 from jaxtrain.training.optim import OptimizerConfig
 from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.training.train_setup import build_train_setup
-from models.llama import LlamaConfig
+from jaxtrain.models.llama import LlamaConfig
 
 pytestmark = [pytest.mark.fast]
 

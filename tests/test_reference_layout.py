@@ -37,7 +37,7 @@ from jaxtrain.checkpoints.checkpointer import Checkpointer
 from jaxtrain.training.config import load_experiment, parse_gin
 from jaxtrain.training.trainer import Trainer
 from helpers import assert_finite
-from meshes.mesh import MeshConfig
+from jaxtrain.meshes.mesh import MeshConfig
 from pipeline_helpers import PIPELINE_OPT, initial_params
 
 # ~20 minutes on two cores: its own target, `make test-reference` (CI runs it after the suite).

@@ -15,7 +15,7 @@ from jaxtrain.training.run_configs import CheckpointConfig, ObserveConfig
 from jaxtrain.data.packing import DataConfig
 from jaxtrain.data.tokenizer import ByteTokenizer
 from jaxtrain.training.trainer import Trainer
-from meshes.mesh import MeshConfig
+from jaxtrain.meshes.mesh import MeshConfig
 
 pytestmark = [pytest.mark.slow]
 

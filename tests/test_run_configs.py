@@ -21,8 +21,8 @@ from jaxtrain.generate.loading import canonical_model
 from jaxtrain.training.device_groups import DeviceGroups
 from jaxtrain.training.run_configs import CheckpointConfig, LossConfig, ObserveConfig, ResilienceConfig
 from jaxtrain.training.trainer import Trainer
-from meshes.mesh import MeshConfig
-from meshes.sharding_audit import ShardingAuditError
+from jaxtrain.meshes.mesh import MeshConfig
+from jaxtrain.meshes.sharding_audit import ShardingAuditError
 
 pytestmark = [pytest.mark.fast]
 

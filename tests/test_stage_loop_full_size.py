@@ -14,7 +14,7 @@ import pytest
 from jaxtrain.training.config import load_experiment, parse_gin
 from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.training.train_setup import build_train_setup
-from models.stage_program import stage_loop
+from jaxtrain.models.stage_program import stage_loop
 
 pytestmark = [pytest.mark.slow, pytest.mark.full_size]
 LAYOUT = "pipeline=2,data=8,microbatches=2,rules=fsdp"

@@ -23,9 +23,9 @@ from jaxtrain.training.optim import OptimizerConfig
 from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.training.step import gradient_layouts, make_update
 from jaxtrain.training.train_setup import build_train_setup
-from meshes.mesh import MeshConfig
-from meshes.rules import use_rules
-from models.llama import LlamaConfig
+from jaxtrain.meshes.mesh import MeshConfig
+from jaxtrain.meshes.rules import use_rules
+from jaxtrain.models.llama import LlamaConfig
 from pipeline_helpers import PIPELINE_OPT, initial_params
 
 pytestmark = [pytest.mark.fast]

@@ -16,8 +16,8 @@ from jaxtrain.checkpoints.fingerprint import tree_fingerprints
 from jaxtrain.pipeline.config import PipelineConfig
 from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.training.train_setup import build_train_setup
-from meshes.mesh import MeshConfig
-from meshes.pipeline_schedules import GPipe
+from jaxtrain.meshes.mesh import MeshConfig
+from jaxtrain.meshes.pipeline_schedules import GPipe
 from pipeline_helpers import PIPELINE_OPT, initial_params
 
 pytestmark = [pytest.mark.fast]

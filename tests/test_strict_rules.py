@@ -15,15 +15,15 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.training.optim import OptimizerConfig, make_optimizer
 from jaxtrain.training.state import abstract_model, param_shardings, state_shardings
-from meshes.mesh import MeshConfig, build_mesh
-from meshes.rules import (LOGICAL_NAMES, OVERLAYS, RULE_SETS, SET_OVERLAYS, Indivisible, RuleTable, ShardingRuleError,
+from jaxtrain.meshes.mesh import MeshConfig, build_mesh
+from jaxtrain.meshes.rules import (LOGICAL_NAMES, OVERLAYS, RULE_SETS, SET_OVERLAYS, Indivisible, RuleTable, ShardingRuleError,
                           constrain, get_rule_set, spec_for, use_rules)
-from meshes.sharding_audit import ShardingAuditError, audit_sharding, check_sufficiently_sharded
-from models.deepseek import DeepSeekConfig
-from models.layers.mamba2 import SSMConfig
-from models.llama import LlamaConfig
-from models.mamba2 import Mamba2Config
-from models.nemotron_h import NemotronHConfig
+from jaxtrain.meshes.sharding_audit import ShardingAuditError, audit_sharding, check_sufficiently_sharded
+from jaxtrain.models.deepseek import DeepSeekConfig
+from jaxtrain.models.layers.mamba2 import SSMConfig
+from jaxtrain.models.llama import LlamaConfig
+from jaxtrain.models.mamba2 import Mamba2Config
+from jaxtrain.models.nemotron_h import NemotronHConfig
 
 pytestmark = [pytest.mark.fast]
 

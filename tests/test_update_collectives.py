@@ -19,11 +19,11 @@ from jaxtrain.training.optim import OptimizerConfig, clip_by_global_norm
 from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.training.step import make_update
 from jaxtrain.training.train_setup import build_train_setup
-from meshes.leaf_sums import leaf_sums, squares
-from meshes.mesh import MeshConfig, build_mesh
-from meshes.rules import get_rule_set, use_rules
-from models.deepseek import DeepSeekConfig
-from models.layers.router import RouterConfig
+from jaxtrain.meshes.leaf_sums import leaf_sums, squares
+from jaxtrain.meshes.mesh import MeshConfig, build_mesh
+from jaxtrain.meshes.rules import get_rule_set, use_rules
+from jaxtrain.models.deepseek import DeepSeekConfig
+from jaxtrain.models.layers.router import RouterConfig
 
 pytestmark = [pytest.mark.fast]
 

@@ -16,8 +16,8 @@ from jaxtrain.training.optim import OptimizerConfig
 from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.training.step import make_update
 from jaxtrain.training.train_setup import build_train_setup
-from meshes.rules import get_rule_set, use_rules
-from models.llama import LlamaConfig
+from jaxtrain.meshes.rules import get_rule_set, use_rules
+from jaxtrain.models.llama import LlamaConfig
 
 pytestmark = [pytest.mark.fast]
 

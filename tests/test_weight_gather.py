@@ -15,15 +15,15 @@ from flax import nnx
 
 from helpers import TINY_LLAMA, TINY_TRAIN, assert_finite, initial_params, random_packed_batch, train_losses
 from jaxtrain.observe.hlo_stats import compile_with_partitioned_hlo
-from meshes.experts import moe_forward
-from meshes.mesh import MeshConfig, build_mesh
-from meshes.rules import get_rule_set, named_sharding, use_rules
-from models.deepseek import DeepSeekConfig
-from models.layers.dense import Dense
-from models.layers.embed import Embed
-from models.layers.expert_ffn import WEIGHT_AXES, GatedExperts
-from models.layers.moe import make_route_fn
-from models.layers.router import RouterConfig
+from jaxtrain.meshes.experts import moe_forward
+from jaxtrain.meshes.mesh import MeshConfig, build_mesh
+from jaxtrain.meshes.rules import get_rule_set, named_sharding, use_rules
+from jaxtrain.models.deepseek import DeepSeekConfig
+from jaxtrain.models.layers.dense import Dense
+from jaxtrain.models.layers.embed import Embed
+from jaxtrain.models.layers.expert_ffn import WEIGHT_AXES, GatedExperts
+from jaxtrain.models.layers.moe import make_route_fn
+from jaxtrain.models.layers.router import RouterConfig
 
 pytestmark = [pytest.mark.slow]
 
@@ -203,7 +203,7 @@ L, DS, FS, S = 4, 128, 256, 128  # layers, embed, mlp, tokens per device
 def _stack_program(rules_name: str, remat: bool = False):
     """(compiled, partitioned HLO, args) of the gradient of L scanned layers, each
     x -> tanh(x W_up) W_down in bf16 through `weight_gather.contract`, FSDP over 16 devices."""
-    from meshes.weight_gather import contract
+    from jaxtrain.meshes.weight_gather import contract
     mesh, rules = build_mesh(MeshConfig(data=16)), get_rule_set(rules_name)
     rng = np.random.default_rng(8)
     up = jnp.asarray(rng.normal(size=(L, DS, FS)) / np.sqrt(DS), jnp.float32)

@@ -215,7 +215,7 @@ FALLBACK = {
 
 
 def fallback_note(name: str, field: str) -> str:
-    from models.layers.layer_scan import REMAT_POLICIES
+    from jaxtrain.models.layers.layer_scan import REMAT_POLICIES
 
     text = FALLBACK.get(f"{name}.{field}") or FALLBACK.get(f".{field}", "")
     return f"*{text.format(remat=', '.join(f'`{p}`' for p in REMAT_POLICIES))}*" if text else ""
@@ -322,7 +322,7 @@ def _axes_groups(table) -> str:
 def rule_tables_markdown() -> str:
     """The base rule tables of meshes/rules.py as they are: which mesh axes each logical name maps
     to for parameters, activations and optimizer state, and how FSDP weights are gathered."""
-    from meshes import rules
+    from jaxtrain.meshes import rules
 
     out = ["| table | parameters | activations | optimizer state | weights gathered |", "|---|---|---|---|---|"]
     for name, rule_set in rules.RULE_SETS.items():
@@ -337,7 +337,7 @@ def rule_tables_markdown() -> str:
 
 def logical_names_markdown() -> str:
     """Every logical dimension name of meshes/rules.py with its meaning."""
-    from meshes import rules
+    from jaxtrain.meshes import rules
 
     when = {"error": "an error", "replicate": "kept whole along the axes that do not divide",
             "replicate_single": "kept whole if its size is 1, else an error"}

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshes.tree_paths import path_text
+from jaxtrain.meshes.tree_paths import path_text
 
 _KEYS = (0x9E3779B9, 0x7F4A7C15)
 

@@ -227,7 +227,7 @@ def add_flags(parser) -> None:
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
-    from meshes.mesh_config import AXES
+    from jaxtrain.meshes.mesh_config import AXES
     sizes = {}
     for part in filter(None, spec.split(",")):
         key, _, value = part.partition("=")
@@ -258,8 +258,8 @@ def main(args, fail) -> int:
     import jax
 
     from jaxtrain.training.config import load_experiment
-    from meshes.mesh import build_mesh, describe
-    from meshes.mesh_config import MeshConfig
+    from jaxtrain.meshes.mesh import build_mesh, describe
+    from jaxtrain.meshes.mesh_config import MeshConfig
 
     mesh_sizes, ops, sizes = check_args(args)
     try:

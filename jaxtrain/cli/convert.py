@@ -250,8 +250,8 @@ def peft_to_adapters(adapter_dir: str, workdir: str, base_workdir: str) -> str:
     from jaxtrain.hf.registry import family_for_config
     from jaxtrain.hf.trees import unflatten
     from jaxtrain.training.trained_params import SomeParams
-    from models.family import family_of
-    from models.lora import LoraConfig, with_lora
+    from jaxtrain.models.family import family_of
+    from jaxtrain.models.lora import LoraConfig, with_lora
 
     peft_config, tensors = _read_peft_dir(adapter_dir)
     checkpoints = os.path.join(workdir, "checkpoints")

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.generate.sampling import Sampling, sample
-from meshes.rules import use_rules
+from jaxtrain.meshes.rules import use_rules
 
 BUCKET = 64  # prompt lengths and cache lengths round up to a multiple of this: few compiles
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.generate.engine import Engine
-from models.dtypes import dtype_from_name
+from jaxtrain.models.dtypes import dtype_from_name
 
 
 @dataclasses.dataclass
@@ -47,7 +47,7 @@ def layout_mesh(spec: str | None):
     if not spec:
         return None, "dp"
     from jaxtrain.training.parallel_plan import ParallelPlan
-    from meshes.mesh import build_mesh
+    from jaxtrain.meshes.mesh import build_mesh
 
     plan = ParallelPlan.parse(spec)
     n = plan.mesh.fixed_device_count()
@@ -59,7 +59,7 @@ def layout_mesh(spec: str | None):
 def load_hf_dir(hf_dir: str, layout: str | None = None) -> Loaded:
     from jaxtrain import hf
 
-    from meshes.rules import get_rule_set
+    from jaxtrain.meshes.rules import get_rule_set
 
     tokenizer = hf_tokenizer_or_none(hf_dir)  # before the weights: a bad one fails fast
     mesh, rules = layout_mesh(layout)
@@ -87,8 +87,8 @@ def load_workdir(workdir: str) -> Loaded:
     from jaxtrain.training.device_groups import one_mesh_program
     from jaxtrain.training.restore_latest import restore_latest_params
     from jaxtrain.training.train_setup import build_train_setup
-    from meshes.mesh import build_mesh
-    from meshes.rules import DATA_PARALLEL_AXES
+    from jaxtrain.meshes.mesh import build_mesh
+    from jaxtrain.meshes.rules import DATA_PARALLEL_AXES
 
     exp = load_experiment()
     plan, devices = one_mesh_program(exp.plan)  # device groups: one group's program

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from meshes.rules import use_rules
-from models.loss import token_losses
+from jaxtrain.meshes.rules import use_rules
+from jaxtrain.models.loss import token_losses
 
 MIN_BUCKET = 32
 MIN_TAIL = 8

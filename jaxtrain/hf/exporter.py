@@ -15,7 +15,7 @@ import numpy as np
 from jaxtrain.hf.mapping import Family
 from jaxtrain.hf.plan import BLOCK_BYTES, BoundMap, LeafPlan, check_tiling, leaf_plans
 from jaxtrain.hf.safetensors_io import PlannedTensor, ShardedWriter
-from models.dtypes import dtype_from_name
+from jaxtrain.models.dtypes import dtype_from_name
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10 ** 9  # transformers' customary shard size
 

@@ -16,7 +16,7 @@ from jaxtrain.hf.registry import family_for_model_type
 from jaxtrain.hf.safetensors_io import SafetensorsDir
 from jaxtrain.hf.trees import flatten, unflatten
 from jaxtrain.training.state import abstract_model, param_shardings
-from meshes.rules import get_rule_set
+from jaxtrain.meshes.rules import get_rule_set
 
 
 def read_config(hf_dir: str | os.PathLike) -> tuple[Family, object]:

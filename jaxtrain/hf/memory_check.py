@@ -19,7 +19,7 @@ import zlib
 
 import numpy as np
 
-from models.llama import LlamaConfig
+from jaxtrain.models.llama import LlamaConfig
 
 
 class RandomRows:

@@ -11,7 +11,7 @@ from flax import nnx
 from jaxtrain.hf.mapping import STACK_AXES, Family, TensorMap
 from jaxtrain.hf.rearrange import Rearrange, parse
 from jaxtrain.training.state import abstract_model
-from models.layers.params import logical_axes
+from jaxtrain.models.layers.params import logical_axes
 
 # The most of one tensor converted at once. Small blocks keep the host-memory peak of a
 # conversion near the fixed cost of the libraries (the peak above that cost grows with the block:

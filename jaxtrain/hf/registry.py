@@ -6,8 +6,8 @@ import functools
 
 from jaxtrain.hf.errors import HFConfigError
 from jaxtrain.hf.mapping import Family
-from models.family import families as model_families
-from models.family import family_of
+from jaxtrain.models.family import families as model_families
+from jaxtrain.models.family import family_of
 
 
 @functools.lru_cache(maxsize=1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from jaxtrain.hf.config_fields import HFConfigFields
 from jaxtrain.hf.errors import HFConfigError
-from models.layers.rope import Llama3Scaling, LinearScaling, NoScaling
+from jaxtrain.models.layers.rope import Llama3Scaling, LinearScaling, NoScaling
 
 # rope_type -> (strategy class, {HF field: strategy field})
 ROPE_TYPES = {

@@ -12,7 +12,7 @@ from __future__ import annotations
 from jaxtrain.hf.config_fields import HFConfigFields
 from jaxtrain.hf.errors import HFConfigError
 from jaxtrain.hf.rope_params import DEFAULT_THETA, rope_from_hf, rope_to_hf
-from models.layers.rope import YarnScaling
+from jaxtrain.models.layers.rope import YarnScaling
 
 YARN_FIELDS = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "original_max_position_embeddings",
                "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"}

@@ -17,9 +17,9 @@ import dataclasses
 import gin
 from flax import nnx
 
-from meshes.pipeline_schedules import GPipe, Interleaved
-from meshes.pipeline_split import StagePlan, chunk_counts, plan_stages
-from models.stage_program import LOOPS, STAGE_REMAT, layer_cost, layer_sequence, layer_stacks
+from jaxtrain.meshes.pipeline_schedules import GPipe, Interleaved
+from jaxtrain.meshes.pipeline_split import StagePlan, chunk_counts, plan_stages
+from jaxtrain.models.stage_program import LOOPS, STAGE_REMAT, layer_cost, layer_sequence, layer_stacks
 
 gin.external_configurable(GPipe, module="meshes")
 gin.external_configurable(Interleaved, module="meshes")

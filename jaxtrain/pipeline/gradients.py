@@ -19,12 +19,12 @@ from flax import nnx
 
 from jaxtrain.pipeline.layout import PipelineLayout
 from jaxtrain.microbatching import split_microbatches, training_loss
-from meshes.context_layout import to_device_order
-from meshes.pipeline import run_pipeline
-from meshes.rules import constrain
-from models.causal_lm import RESIDUAL
-from models.layers.aux_outputs import aux_metrics
-from models.stage_program import StageProgram
+from jaxtrain.meshes.context_layout import to_device_order
+from jaxtrain.meshes.pipeline import run_pipeline
+from jaxtrain.meshes.rules import constrain
+from jaxtrain.models.causal_lm import RESIDUAL
+from jaxtrain.models.layers.aux_outputs import aux_metrics
+from jaxtrain.models.stage_program import StageProgram
 
 
 class PipelinedGradients:

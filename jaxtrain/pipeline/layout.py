@@ -18,8 +18,8 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.train_state import map_param_leaves
-from meshes.pipeline_split import StagePlan
-from models.layers.params import logical_axes
+from jaxtrain.meshes.pipeline_split import StagePlan
+from jaxtrain.models.layers.params import logical_axes
 
 
 class PipelineLayout:

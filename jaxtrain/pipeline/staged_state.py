@@ -19,8 +19,8 @@ from jaxtrain.pipeline.layout import PipelineLayout
 from jaxtrain.pipeline.streamed_save import StreamedCanonical
 from jaxtrain.train_state import (TrainState, abstract_model, count_params, in_memory, init_state,
                                   optimizer_shardings, param_shardings, shardings_by_path, with_shardings)
-from meshes.pipeline_split import StagePlan
-from meshes.rules import RuleSet, RuleTable, table_name
+from jaxtrain.meshes.pipeline_split import StagePlan
+from jaxtrain.meshes.rules import RuleSet, RuleTable, table_name
 
 
 class StagedState:

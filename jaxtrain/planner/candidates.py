@@ -26,8 +26,8 @@ import itertools
 
 from jaxtrain.planner.layer_profile import pipelined_policy
 from jaxtrain.training.parallel_plan import ParallelPlan
-from meshes.mesh_config import MeshConfig
-from meshes.pipeline_schedules import GPipe, Interleaved
+from jaxtrain.meshes.mesh_config import MeshConfig
+from jaxtrain.meshes.pipeline_schedules import GPipe, Interleaved
 
 REMAT_POLICIES = ("none", "dots_no_batch", "full", "offload_dots")
 BASE_RULES = ("dp", "zero1", "fsdp")

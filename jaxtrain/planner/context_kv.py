@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshes.context_settings import RingKV
+from jaxtrain.meshes.context_settings import RingKV
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,11 +23,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshes.rules import RULE_SETS
-from models.layers.moe import MoEBlock
-from models.layers.params import logical_axes
-from models.layers.stack import REMAT_POLICIES
-from models.stage_program import layer_sequence, layer_stacks
+from jaxtrain.meshes.rules import RULE_SETS
+from jaxtrain.models.layers.moe import MoEBlock
+from jaxtrain.models.layers.params import logical_axes
+from jaxtrain.models.layers.stack import REMAT_POLICIES
+from jaxtrain.models.stage_program import layer_sequence, layer_stacks
 
 # Lengths the layers are traced at: multiples of every block and chunk size the layers use
 # (attention blocks, SSD chunks), and unlike any model dimension in practice.

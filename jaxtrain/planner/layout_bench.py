@@ -28,7 +28,7 @@ def bench_layout(exp, plan, *, steps: int, compile_only: bool, max_replicated: f
     `devices`: the devices of the mesh (default: all)."""
     import jax
 
-    from meshes.sharding_audit import audit_sharding, check_sufficiently_sharded
+    from jaxtrain.meshes.sharding_audit import audit_sharding, check_sufficiently_sharded
 
     from jaxtrain.observe.flops import model_flops_utilization, peak_flops
     from jaxtrain.observe.hlo_stats import (collective_stats, collectives_by_dtype, compile_with_partitioned_hlo,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 
-from meshes.mesh_config import AXES
+from jaxtrain.meshes.mesh_config import AXES
 
 INTRA, INTER, BETWEEN_GROUPS = "intra-node", "inter-node", "between groups"
 

@@ -38,7 +38,7 @@ import dataclasses
 from jaxtrain.planner.context_kv import per_head_kv_backward, per_head_kv_saved
 from jaxtrain.planner.layer_profile import ModelProfile, TokenShape, pipelined_policy
 from jaxtrain.planner.state_bytes import StateBytes
-from meshes.context_settings import RingKV
+from jaxtrain.meshes.context_settings import RingKV
 
 F32 = 4
 LOGIT_COPIES = 2  # float32 logits and their gradient, per loss chunk

@@ -21,9 +21,9 @@ from jaxtrain.planner.memory_model import GPU, MemoryEstimate, Platform, estimat
 from jaxtrain.planner.state_bytes import StateBytes, state_bytes, state_shapes
 from jaxtrain.planner.time_model import Efficiency, StepTime, estimate_time
 from jaxtrain.training.parallel_plan import ParallelPlan
-from meshes.rules import ShardingRuleError, get_rule_set
-from meshes.weight_gather import strategy as weight_gather_strategy
-from models.stage_program import layer_cost, layer_stacks
+from jaxtrain.meshes.rules import ShardingRuleError, get_rule_set
+from jaxtrain.meshes.weight_gather import strategy as weight_gather_strategy
+from jaxtrain.models.stage_program import layer_cost, layer_stacks
 
 
 @dataclasses.dataclass(frozen=True)

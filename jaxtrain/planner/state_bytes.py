@@ -17,9 +17,9 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
-from meshes.mesh_config import AXES
-from meshes.rules import DATA_PARALLEL_AXES, RuleSet, spec_for
-from meshes.weight_gather import FSDP_GATHERED_NAMES
+from jaxtrain.meshes.mesh_config import AXES
+from jaxtrain.meshes.rules import DATA_PARALLEL_AXES, RuleSet, spec_for
+from jaxtrain.meshes.weight_gather import FSDP_GATHERED_NAMES
 
 # The axes the tokens are split over (data parallel and context parallel).
 TOKEN_AXES = DATA_PARALLEL_AXES + ("context",)
@@ -83,7 +83,7 @@ def state_shapes(model_cfg, tx, pipeline=None, stages: int = 1) -> StateShapes:
     from jaxtrain.pipeline import StagedState
     from jaxtrain.training.state import map_param_leaves
     from jaxtrain.training.state_layouts import CanonicalState
-    from meshes.rules import get_rule_set
+    from jaxtrain.meshes.rules import get_rule_set
 
     sizes = {a: 1 for a in AXES} | {"pipeline": stages}
     mesh, rules = abstract_mesh(sizes), get_rule_set("dp")
@@ -109,7 +109,7 @@ def state_shapes(model_cfg, tx, pipeline=None, stages: int = 1) -> StateShapes:
 
 
 def _flat(tree):
-    from meshes.tree_paths import path_keys
+    from jaxtrain.meshes.tree_paths import path_keys
     return [(path_keys(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
@@ -117,7 +117,7 @@ def _canonical_names(model_cfg) -> dict:
     from flax import nnx
 
     from jaxtrain.training.state import abstract_model
-    from models.layers.params import logical_axes
+    from jaxtrain.models.layers.params import logical_axes
     _, abstract_state = abstract_model(model_cfg)
     return {path: logical_axes(var) for path, var in nnx.to_flat_state(abstract_state)}
 

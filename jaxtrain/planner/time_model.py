@@ -38,8 +38,8 @@ from jaxtrain.planner.context_kv import exchanged_width
 from jaxtrain.planner.layer_profile import ModelProfile, pipelined_policy
 from jaxtrain.planner.links import BETWEEN_GROUPS, LinkTable, slowest_link
 from jaxtrain.planner.state_bytes import TOKEN_AXES, StateBytes
-from meshes.context_settings import RingKV
-from meshes.weight_gather import CastWhereUsed
+from jaxtrain.meshes.context_settings import RingKV
+from jaxtrain.meshes.weight_gather import CastWhereUsed
 
 F32 = 4
 RECOMPUTE = {"none": 0.0, "full": 1 / 3, "dots": 1 / 6, "dots_no_batch": 1 / 6, "offload_dots": 1 / 6}

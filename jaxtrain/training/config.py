@@ -16,10 +16,10 @@ from jaxtrain.training.moved_bindings import apply_moved, split_moved
 from jaxtrain.training.parallel_plan import ParallelPlan
 from jaxtrain.training.run_configs import RUN_CONFIGS, CheckpointConfig, LossConfig, ObserveConfig, ResilienceConfig
 from jaxtrain.pipeline.config import PipelineConfig
-from meshes.context_settings import ContextParallel
-from meshes.mesh_config import MeshConfig
-from models.family import families
-from models.lora import LoraConfig, with_lora
+from jaxtrain.meshes.context_settings import ContextParallel
+from jaxtrain.meshes.mesh_config import MeshConfig
+from jaxtrain.models.family import families
+from jaxtrain.models.lora import LoraConfig, with_lora
 
 # Each model family's record registers its config and the parts its gin files name with gin
 # (models/family.py); mesh_configurable.py registers the mesh and context settings and

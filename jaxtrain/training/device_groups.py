@@ -25,8 +25,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from meshes.mesh import build_mesh
-from meshes.mesh_config import AXES, MeshConfig
+from jaxtrain.meshes.mesh import build_mesh
+from jaxtrain.meshes.mesh_config import AXES, MeshConfig
 
 GROUP_AXIS = "groups"
 

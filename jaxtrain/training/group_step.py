@@ -23,8 +23,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtrain.training.device_groups import GROUP_AXIS, BatchShares, GroupLayout
 from jaxtrain.training.step import AccumulatedGradients, eval_sums, loss_tokens, make_update
 from jaxtrain.training.trained_params import AllParams
-from meshes.context_layout import ContextParallel, use_context_parallel
-from meshes.rules import RuleSet, use_rules
+from jaxtrain.meshes.context_layout import ContextParallel, use_context_parallel
+from jaxtrain.meshes.rules import RuleSet, use_rules
 
 
 def _with_group_axis(fn):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from meshes.leaf_sums import leaf_sums, squares
+from jaxtrain.meshes.leaf_sums import leaf_sums, squares
 
 
 def guarded_step(apply, params, opt_state, grads, finite_before, *, sum_leaves=leaf_sums):

@@ -2,8 +2,8 @@
 reads the mesh size first, to simulate that many CPU devices, and only then starts jax."""
 import gin
 
-from meshes.context_settings import AllGatherKV, ContextParallel, Contiguous, LatentKV, LoadBalanced, RingKV
-from meshes.mesh_config import MeshConfig
+from jaxtrain.meshes.context_settings import AllGatherKV, ContextParallel, Contiguous, LatentKV, LoadBalanced, RingKV
+from jaxtrain.meshes.mesh_config import MeshConfig
 
 GinMeshConfig = gin.external_configurable(MeshConfig, name="MeshConfig", module="meshes")
 for _cls in (ContextParallel, Contiguous, LoadBalanced, RingKV, AllGatherKV, LatentKV):  # TrainConfig.context_parallel

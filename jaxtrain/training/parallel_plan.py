@@ -27,9 +27,9 @@ import dataclasses
 import math
 
 from jaxtrain.training import plan_keys
-from meshes.context_settings import ContextParallel
-from meshes.mesh_config import AXES, MeshConfig
-from meshes.pipeline_schedules import GPipe
+from jaxtrain.meshes.context_settings import ContextParallel
+from jaxtrain.meshes.mesh_config import AXES, MeshConfig
+from jaxtrain.meshes.pipeline_schedules import GPipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +122,7 @@ class ParallelPlan:
                               stage_loop=self.stage_loop)
 
     def rule_set(self):
-        from meshes.rules import get_rule_set
+        from jaxtrain.meshes.rules import get_rule_set
         return get_rule_set(self.rules)
 
     def device_groups(self):
@@ -135,7 +135,7 @@ class ParallelPlan:
         (models/family.py's runtime settings; one the family lacks is a ValueError naming it)."""
         attention = None
         if self.attention is not None:
-            from models.layers import attention_impl
+            from jaxtrain.models.layers import attention_impl
             name, kwargs = plan_keys.ATTENTION[self.attention]
             attention = getattr(attention_impl, name)(**kwargs)
         if self.remat is None and attention is None:
@@ -149,7 +149,7 @@ class ParallelPlan:
                  platform: str | None = None) -> None:
         """Errors for a plan that cannot run this model on this batch and mesh, before anything
         is built (the pipeline's layer split is checked when the stage plan is made)."""
-        from meshes.rules import DATA_PARALLEL_AXES
+        from jaxtrain.meshes.rules import DATA_PARALLEL_AXES
 
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be positive, got {self.microbatches}")

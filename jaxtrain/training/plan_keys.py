@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from meshes.context_settings import AllGatherKV, Contiguous, LatentKV, LoadBalanced, RingKV
-from meshes.mesh_config import AXES
-from meshes.pipeline_schedules import SCHEDULES, GPipe
+from jaxtrain.meshes.context_settings import AllGatherKV, Contiguous, LatentKV, LoadBalanced, RingKV
+from jaxtrain.meshes.mesh_config import AXES
+from jaxtrain.meshes.pipeline_schedules import SCHEDULES, GPipe
 
 KV_EXCHANGES = {"ring": RingKV, "allgather": AllGatherKV, "latent": LatentKV}
 ORDERS = {"balanced": LoadBalanced, "contiguous": Contiguous}
@@ -71,7 +71,7 @@ def _dcn(value: str) -> tuple[int, ...]:
 
 
 def _rules(value: str) -> str:
-    from meshes.rules import get_rule_set  # the rule tables need jax (no backend is started)
+    from jaxtrain.meshes.rules import get_rule_set  # the rule tables need jax (no backend is started)
     get_rule_set(value)  # names the unknown table or overlay
     return value
 

@@ -10,7 +10,7 @@ layout), `disk_abstract` (the checkpoint tree: a dict of items), `init(seed) -> 
 from __future__ import annotations
 
 from jaxtrain.training.state import TrainState, count_params, init_state, state_shardings
-from meshes.rules import RuleSet
+from jaxtrain.meshes.rules import RuleSet
 
 
 class CanonicalState:

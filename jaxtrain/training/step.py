@@ -15,10 +15,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtrain.microbatching import ROW, split_microbatches, training_loss
 from jaxtrain.training.guarded_update import guarded_step
 from jaxtrain.training.trained_params import AllParams
-from meshes.context_layout import ContextParallel, to_device_order, use_context_parallel
-from meshes.leaf_sums import leaf_sums, squares
-from meshes.rules import RuleSet, named_sharding, use_rules
-from models.layers.aux_outputs import aux_metrics, has_after_update
+from jaxtrain.meshes.context_layout import ContextParallel, to_device_order, use_context_parallel
+from jaxtrain.meshes.leaf_sums import leaf_sums, squares
+from jaxtrain.meshes.rules import RuleSet, named_sharding, use_rules
+from jaxtrain.models.layers.aux_outputs import aux_metrics, has_after_update
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 

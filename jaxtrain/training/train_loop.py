@@ -25,7 +25,7 @@ from jaxtrain.resilience.preemption import StopSignals
 from jaxtrain.resilience.watchdog import Watchdog
 from jaxtrain.training.state import TrainState
 from jaxtrain.training.train_loop_parts import LoopParts
-from meshes.mesh import describe
+from jaxtrain.meshes.mesh import describe
 
 
 class _RolledBack(Exception):

@@ -26,8 +26,8 @@ from jaxtrain.training.state import TrainState, optimizer_roles
 from jaxtrain.training.state_layouts import CanonicalState
 from jaxtrain.training.trained_params import trained_params
 from jaxtrain.training.step import BATCH_KEYS, AccumulatedGradients, batch_shardings, make_eval_step, make_train_step
-from meshes.mesh import build_mesh
-from meshes.rules import RuleSet
+from jaxtrain.meshes.mesh import build_mesh
+from jaxtrain.meshes.rules import RuleSet
 
 BATCH_DTYPES = {k: jnp.float32 if k == "loss_mask" else jnp.int32 for k in BATCH_KEYS}
 

@@ -32,7 +32,7 @@ from jaxtrain.training.train_loop_parts import LoopParts
 from jaxtrain.training.train_setup import build_train_setup
 from jaxtrain.training.state import TrainState, optimizer_roles
 from jaxtrain.training.workdir import WorkdirLock, changed_fields, check_same_model
-from meshes.sharding_audit import ShardingAuditError, audit_sharding, check_sufficiently_sharded
+from jaxtrain.meshes.sharding_audit import ShardingAuditError, audit_sharding, check_sufficiently_sharded
 
 
 def check_vocabulary(exp: Experiment) -> None:

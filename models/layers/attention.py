@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshes.rules import constrain
-from models.layers.attention_impl import AutoAttention
-from models.layers.decode_attention import decode_block, grouped_query_decode
-from models.layers.decode_cache import LayerCache
-from models.layers.dense import Dense
-from models.layers.rope import apply_rope
+from jaxtrain.meshes.rules import constrain
+from jaxtrain.models.layers.attention_impl import AutoAttention
+from jaxtrain.models.layers.decode_attention import decode_block, grouped_query_decode
+from jaxtrain.models.layers.decode_cache import LayerCache
+from jaxtrain.models.layers.dense import Dense
+from jaxtrain.models.layers.rope import apply_rope
 
 KV_CACHE = ("batch", None, "kv_heads", None)  # [b, max_len, kv_heads, head_dim], sharded like k/v
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from meshes.rules import constrain
+from jaxtrain.meshes.rules import constrain
 
 _MASKED = -1e30  # finite, so fully masked rows (padding) give uniform weights, not NaN
 

@@ -25,10 +25,10 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from meshes.context_attention import sequence_order, sharded_attention, sharded_latent_attention
-from meshes.rules import constrain
-from models.layers.attention_core import attention_mask, dot_product_attention
-from pallas_kernels._common import target_platform
+from jaxtrain.meshes.context_attention import sequence_order, sharded_attention, sharded_latent_attention
+from jaxtrain.meshes.rules import constrain
+from jaxtrain.models.layers.attention_core import attention_mask, dot_product_attention
+from jaxtrain.pallas_kernels._common import target_platform
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from models.layers.attention_core import _MASKED
+from jaxtrain.models.layers.attention_core import _MASKED
 
 DECODE_BLOCK = 256  # entries read per trip; attention strategies may set their own (`decode_block`)
 

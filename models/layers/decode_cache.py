@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import jax
 
-from meshes.rules import constrain
+from jaxtrain.meshes.rules import constrain
 
 
 class LayerCache:

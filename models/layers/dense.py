@@ -6,8 +6,8 @@ from typing import Sequence
 import jax.numpy as jnp
 from flax import nnx
 
-from meshes.weight_gather import contract
-from models.layers.params import logical_axes, normal, param, zeros
+from jaxtrain.meshes.weight_gather import contract
+from jaxtrain.models.layers.params import logical_axes, normal, param, zeros
 
 
 class Dense(nnx.Module):

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from flax import nnx
 
-from meshes.weight_gather import contract, lookup
-from models.layers.params import normal, param
+from jaxtrain.meshes.weight_gather import contract, lookup
+from jaxtrain.models.layers.params import normal, param
 
 
 class Embed(nnx.Module):

@@ -20,10 +20,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers.activations import activation as _activation
-from models.layers.params import normal, param
-from pallas_kernels.grouped_matmul import grouped_matmul
-from pallas_kernels.low_precision_dot import batched_matmul
+from jaxtrain.models.layers.activations import activation as _activation
+from jaxtrain.models.layers.params import normal, param
+from jaxtrain.pallas_kernels.grouped_matmul import grouped_matmul
+from jaxtrain.pallas_kernels.low_precision_dot import batched_matmul
 
 
 def _batched_matmul(dtype):

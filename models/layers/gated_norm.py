@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers.params import ones, param
+from jaxtrain.models.layers.params import ones, param
 
 
 class GatedGroupRMSNorm(nnx.Module):

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public equivalent
 
-from models.layers.layer_scan import REMAT_POLICIES, check_remat
+from jaxtrain.models.layers.layer_scan import REMAT_POLICIES, check_remat
 
 # take(k, stack_k, read, ctx) -> one layer's weights of kind k (views only: sliced again in the
 #   backward pass instead of saved); read: the step's index into kind k's stack (traced).

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from pallas_kernels.low_precision_dot import inner_dot
+from jaxtrain.pallas_kernels.low_precision_dot import inner_dot
 
 
 def _rounded_dots_as_dots(policy):

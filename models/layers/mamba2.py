@@ -25,16 +25,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshes.context_layout import context_size
-from meshes.context_ssm import context_causal_conv, context_ssd_scan
-from meshes.per_shard import per_shard
-from meshes.rules import constrain
-from models.layers.decode_cache import LayerCache
-from models.layers.dense import Dense
-from models.layers.gated_norm import GatedGroupRMSNorm
-from models.layers.params import LOGICAL_AXES, OPTIMIZER, param
-from pallas_kernels.causal_conv1d import causal_conv1d
-from pallas_kernels.ssd_scan import ssd_scan
+from jaxtrain.meshes.context_layout import context_size
+from jaxtrain.meshes.context_ssm import context_causal_conv, context_ssd_scan
+from jaxtrain.meshes.per_shard import per_shard
+from jaxtrain.meshes.rules import constrain
+from jaxtrain.models.layers.decode_cache import LayerCache
+from jaxtrain.models.layers.dense import Dense
+from jaxtrain.models.layers.gated_norm import GatedGroupRMSNorm
+from jaxtrain.models.layers.params import LOGICAL_AXES, OPTIMIZER, param
+from jaxtrain.pallas_kernels.causal_conv1d import causal_conv1d
+from jaxtrain.pallas_kernels.ssd_scan import ssd_scan
 
 PER_HEAD = ("batch", "length", "ssm_heads", None)
 PER_GROUP = ("batch", "length", "ssm_groups", None)

@@ -15,17 +15,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshes.rules import constrain
-from meshes.context_attention import gather_sequence
-from meshes.context_layout import active_context_parallel, context_size
-from meshes.weight_gather import cast_for_use
-from models.layers.attention_impl import AutoAttention
-from models.layers.decode_attention import decode_block, latent_decode
-from models.layers.decode_cache import LayerCache
-from models.layers.dense import Dense
-from models.layers.norm import RMSNorm
-from models.layers.params import logical_axes
-from models.layers.rope import YarnScaling, apply_rope_interleaved
+from jaxtrain.meshes.rules import constrain
+from jaxtrain.meshes.context_attention import gather_sequence
+from jaxtrain.meshes.context_layout import active_context_parallel, context_size
+from jaxtrain.meshes.weight_gather import cast_for_use
+from jaxtrain.models.layers.attention_impl import AutoAttention
+from jaxtrain.models.layers.decode_attention import decode_block, latent_decode
+from jaxtrain.models.layers.decode_cache import LayerCache
+from jaxtrain.models.layers.dense import Dense
+from jaxtrain.models.layers.norm import RMSNorm
+from jaxtrain.models.layers.params import logical_axes
+from jaxtrain.models.layers.rope import YarnScaling, apply_rope_interleaved
 
 PER_HEAD = ("batch", "length", "heads", None)
 

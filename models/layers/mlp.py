@@ -4,9 +4,9 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from meshes.rules import constrain
-from models.layers.activations import activation as activation_fn
-from models.layers.dense import Dense
+from jaxtrain.meshes.rules import constrain
+from jaxtrain.models.layers.activations import activation as activation_fn
+from jaxtrain.models.layers.dense import Dense
 
 
 class SwiGLU(nnx.Module):

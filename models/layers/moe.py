@@ -10,13 +10,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from meshes.experts import dispatch_for, moe_forward
-from meshes.rules import active_mesh, active_rules
-from models.layers.aux_outputs import AuxOutput
-from models.layers.dense import Dense
-from models.layers.expert_ffn import GatedExperts, PlainExperts
-from models.layers.router import CORRECTION_BIAS, Router, RouterConfig, updated_correction_bias
-from pallas_kernels.moe_routing import route
+from jaxtrain.meshes.experts import dispatch_for, moe_forward
+from jaxtrain.meshes.rules import active_mesh, active_rules
+from jaxtrain.models.layers.aux_outputs import AuxOutput
+from jaxtrain.models.layers.dense import Dense
+from jaxtrain.models.layers.expert_ffn import GatedExperts, PlainExperts
+from jaxtrain.models.layers.router import CORRECTION_BIAS, Router, RouterConfig, updated_correction_bias
+from jaxtrain.pallas_kernels.moe_routing import route
 
 
 @struct.dataclass

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers.params import ones, param
+from jaxtrain.models.layers.params import ones, param
 
 
 class RMSNorm(nnx.Module):

@@ -22,11 +22,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from meshes.rules import constrain_param
-from models.layers.decode_cache import LayerCache
-from models.layers.layer_scan import scan_layers
-from models.layers.params import LOGICAL_AXES
-from models.layers.stack import LayerStack
+from jaxtrain.meshes.rules import constrain_param
+from jaxtrain.models.layers.decode_cache import LayerCache
+from jaxtrain.models.layers.layer_scan import scan_layers
+from jaxtrain.models.layers.params import LOGICAL_AXES
+from jaxtrain.models.layers.stack import LayerStack
 
 _RESERVED = frozenset({"pattern", "kinds", "slots", "remat"})
 

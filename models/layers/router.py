@@ -11,7 +11,7 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers.params import LOGICAL_AXES, OPTIMIZER, normal, param
+from jaxtrain.models.layers.params import LOGICAL_AXES, OPTIMIZER, normal, param
 
 CORRECTION_BIAS = "correction_bias"  # updated by the train step, never by the optimizer
 

@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers.aux_outputs import apply_after_update
-from models.layers.decode_cache import LayerCache
+from jaxtrain.models.layers.aux_outputs import apply_after_update
+from jaxtrain.models.layers.decode_cache import LayerCache
 # REMAT_POLICIES is imported from here by the other stacks, planner and tests
-from models.layers.layer_scan import REMAT_POLICIES, check_remat, scan_layers  # noqa: F401
-from models.layers.params import LOGICAL_AXES
+from jaxtrain.models.layers.layer_scan import REMAT_POLICIES, check_remat, scan_layers  # noqa: F401
+from jaxtrain.models.layers.params import LOGICAL_AXES
 
 
 def _prepend_layers_axis(variable: nnx.Variable) -> nnx.Variable:

@@ -171,8 +171,8 @@ def test_a_parameters_only_save_restores_without_optimizer_or_data(tmp_path):
     from jaxtrain.data.packing import DataConfig, make_train_iterator
     from jaxtrain.training.optim import make_optimizer
     from jaxtrain.training.state import init_state, state_shardings
-    from meshes.mesh import MeshConfig, build_mesh
-    from meshes.rules import get_rule_set
+    from jaxtrain.meshes.mesh import MeshConfig, build_mesh
+    from jaxtrain.meshes.rules import get_rule_set
 
     tx, _ = make_optimizer(TINY_OPT, 3)
     _, abstract, shardings = state_shardings(TINY_LLAMA_BYTES, tx, build_mesh(MeshConfig(data=16)), get_rule_set("dp"))

@@ -122,7 +122,7 @@ def test_the_step_drops_an_update_whose_new_parameters_alone_are_not_finite():
     learning rate the same update equals AdamW's first step computed in float64."""
     from jaxtrain.training.optim import OptimizerConfig, make_optimizer
     from jaxtrain.training.step import make_update
-    from meshes.rules import get_rule_set
+    from jaxtrain.meshes.rules import get_rule_set
 
     rng = np.random.default_rng(7)
     params = {"w": rng.normal(size=(4, 3)).astype(np.float32), "b": rng.normal(size=(3,)).astype(np.float32)}

@@ -32,9 +32,9 @@ from jaxtrain.hf.config_fields import HFConfigFields
 from jaxtrain.hf.errors import HFConfigError
 from jaxtrain.hf.mapping import Family, TensorMap
 from jaxtrain.hf.yarn_params import rope_from_hf_with_yarn, rope_to_hf_with_yarn
-from models.deepseek import DeepSeekConfig
-from models.layers.rope import YarnScaling
-from models.layers.router import RouterConfig
+from jaxtrain.models.deepseek import DeepSeekConfig
+from jaxtrain.models.layers.rope import YarnScaling
+from jaxtrain.models.layers.router import RouterConfig
 
 LAYER = "model.layers.{layer}."
 STACKS = "stacks/{}/layers/"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from jaxtrain.hf.config_fields import HFConfigFields
 from jaxtrain.hf.mapping import Family, TensorMap
 from jaxtrain.hf.rope_params import rope_from_hf, rope_to_hf
-from models.llama import LlamaConfig
+from jaxtrain.models.llama import LlamaConfig
 
 LAYER = "model.layers.{layer}."
 BLOCK = "stacks/blocks/layers/"

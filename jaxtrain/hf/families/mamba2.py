@@ -5,8 +5,8 @@ from jaxtrain.hf.config_fields import HFConfigFields
 from jaxtrain.hf.errors import HFConfigError
 from jaxtrain.hf.families.mamba2_mixer_maps import mixer_maps, time_step_limit, time_step_limit_to_hf
 from jaxtrain.hf.mapping import Family, TensorMap
-from models.layers.mamba2 import SSMConfig
-from models.mamba2 import Mamba2Config
+from jaxtrain.models.layers.mamba2 import SSMConfig
+from jaxtrain.models.mamba2 import Mamba2Config
 
 LAYER = "backbone.layers.{layer}."
 BLOCK = "stacks/blocks/layers/"

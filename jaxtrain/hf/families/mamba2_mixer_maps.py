@@ -12,7 +12,7 @@ from typing import Sequence
 from jaxtrain.hf.config_fields import HFConfigFields, decode_float, encode_float
 from jaxtrain.hf.errors import HFConfigError
 from jaxtrain.hf.mapping import TensorMap
-from models.layers.mamba2 import SSMConfig
+from jaxtrain.models.layers.mamba2 import SSMConfig
 
 HEADS = "(heads dim)"
 GROUPS = "(groups state)"

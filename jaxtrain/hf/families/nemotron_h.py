@@ -21,9 +21,9 @@ from jaxtrain.hf.config_fields import HFConfigFields, decode_float
 from jaxtrain.hf.errors import HFConfigError
 from jaxtrain.hf.families.mamba2_mixer_maps import mixer_maps, time_step_limit, time_step_limit_to_hf
 from jaxtrain.hf.mapping import Family, TensorMap
-from models.layers.mamba2 import SSMConfig
-from models.layers.router import RouterConfig
-from models.nemotron_h import NemotronHConfig
+from jaxtrain.models.layers.mamba2 import SSMConfig
+from jaxtrain.models.layers.router import RouterConfig
+from jaxtrain.models.nemotron_h import NemotronHConfig
 
 # HF layer type -> our kind; transformers 4 names (and the one-letter hybrid_override_pattern) too.
 HF_KINDS = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention", "attention": "attention",
