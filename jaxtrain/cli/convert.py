@@ -25,6 +25,8 @@ import os
 import resource
 import sys
 
+from jaxtrain import bundled
+
 DEFAULT_STEP = 0
 
 
@@ -361,7 +363,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hf_base", default=None,
                         help="adapter export: base_model_name_or_path to record (default: the base's workdir)")
     parser.add_argument("--step", type=int, default=None, help="export this step instead of the latest")
-    parser.add_argument("--gin_file", action="append", default=[], help="export: model gin (default W/config.gin)")
+    parser.add_argument("--gin_file", action="append", default=[], type=bundled.gin_file,
+                        help="export: model gin, or a bundled config's name (default W/config.gin)")
     parser.add_argument("--gin_param", action="append", default=[], help="export: extra gin binding")
     parser.add_argument("--hf_dtype", default=None, help="export: weight dtype on disk (float32, bfloat16, float16)")
     parser.add_argument("--max_shard_gb", type=float, default=None, help="export: safetensors shard size")

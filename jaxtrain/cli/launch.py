@@ -15,13 +15,15 @@ import threading
 
 from jaxtrain.xla_gpu_flags import apply_gpu_flags
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # jaxtrain/cli/ -> repo
-DEFAULT_GIN = os.path.join(REPO_ROOT, "configs", "default.gin")
+from jaxtrain import bundled
+
+DEFAULT_GIN = str(bundled.CONFIGS / "default.gin")
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
 def add_common_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
+    parser.add_argument("--gin_file", action="append", default=[], type=bundled.gin_file,
+                        help="gin config file, or a bundled config's name (repeatable)")
     parser.add_argument("--gin_param", action="append", default=[], help="gin binding 'X.y=z' (repeatable)")
     parser.add_argument("--coordinator_address", default=None, help="host:port of process 0 (multi-process)")
     parser.add_argument("--num_processes", type=int, default=None)
@@ -54,7 +56,7 @@ def simulate_devices_if_needed(gin_files, gin_params, num_processes: int) -> Non
         if not os.path.exists(path):
             fail(f"gin file not found: {path}")
     try:
-        gin.add_config_file_search_path(REPO_ROOT)  # bundled includes
+        gin.add_config_file_search_path(str(bundled.ROOT))  # bundled includes
         gin.parse_config_files_and_bindings(gin_files, gin_params, skip_unknown=True, finalize_config=False)
         rows = gin_binding(gin_files, gin_params, "DeviceGroups", "rows", ())
         plan = ParallelPlan(mesh=GinMeshConfig(), groups=tuple(rows) if isinstance(rows, (tuple, list)) else ())
@@ -104,7 +106,7 @@ def _gin_statements(path: str, seen: set):
         for statement in _gin_parser(f):
             if isinstance(statement, parser.IncludeStatement):
                 candidates = [statement.filename, os.path.join(os.path.dirname(path), statement.filename),
-                              os.path.join(REPO_ROOT, statement.filename)]
+                              str(bundled.ROOT / statement.filename)]
                 yield from _gin_statements(next((c for c in candidates if os.path.exists(c)), candidates[0]), seen)
             else:
                 yield statement

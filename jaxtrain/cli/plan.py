@@ -28,13 +28,15 @@ import dataclasses
 import json
 import sys
 
+from jaxtrain import bundled
 from jaxtrain.cli.launch import fail
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m jaxtrain.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
+    parser.add_argument("--gin_file", action="append", default=[], type=bundled.gin_file,
+                        help="gin config file, or a bundled config's name (repeatable)")
     parser.add_argument("--gin_param", action="append", default=[], help="gin binding 'X.y=z' (repeatable)")
     parser.add_argument("--cluster", default=None, help="cluster description (JSON; jaxtrain/planner/cluster.py)")
     parser.add_argument("--device", default=None, help="a built-in device kind: H100, H200, B200, A100, RTX PRO 6000")

@@ -19,7 +19,7 @@ from jaxtrain.data.store import loader
 from jaxtrain.data.store.memory_source import text_files_source
 from jaxtrain.data.store.windows import WindowIndex
 # Raw-file helpers live in text_files (the stores use them too); importable from here as well.
-from jaxtrain.data.text_files import REPO_ROOT, encode_to_array, read_documents, read_utf8, resolve_path  # noqa: F401
+from jaxtrain.data.text_files import encode_to_array, read_documents, read_utf8, resolve_path  # noqa: F401
 from jaxtrain.data.tokenizer import Tokenizer, load_tokenizer
 
 

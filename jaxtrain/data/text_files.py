@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxtrain.data.tokenizer import ByteTokenizer, Tokenizer
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]  # jaxtrain/data/ -> the repo
+from jaxtrain.bundled import ROOT as BUNDLED_ROOT
 _BLANK_LINES = re.compile(r"\n\s*\n")
 
 
@@ -23,9 +23,9 @@ def resolve_path(path: str | os.PathLike) -> pathlib.Path:
     given = pathlib.Path(path).expanduser()
     if given.exists():
         return given.resolve()
-    if not given.is_absolute() and (REPO_ROOT / given).exists():
-        return (REPO_ROOT / given).resolve()
-    where = "" if given.is_absolute() else f" (looked in {os.getcwd()} and {REPO_ROOT})"
+    if not given.is_absolute() and (BUNDLED_ROOT / given).exists():
+        return (BUNDLED_ROOT / given).resolve()
+    where = "" if given.is_absolute() else f" (looked in {os.getcwd()} and {BUNDLED_ROOT})"
     raise FileNotFoundError(f"corpus file not found: {path}{where}")
 
 

@@ -49,7 +49,10 @@ class HFTokenizer:
     """A Hugging Face tokenizer loaded from a local directory (`save_pretrained` output)."""
 
     def __init__(self, path: str):
-        from transformers import AutoTokenizer  # lazy: transformers is slow to import
+        from jaxtrain.extras import require
+
+        # imported here: transformers is slow to import and an optional extra
+        AutoTokenizer = require("transformers", f"the Hugging Face tokenizer at {path!r}").AutoTokenizer
 
         try:
             self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -37,8 +37,10 @@ def _logsumexp(x: np.ndarray) -> np.ndarray:
 
 
 def transformers_logits(hf_dir: str, tokens: np.ndarray) -> np.ndarray:
-    import torch
-    from transformers import AutoModelForCausalLM
+    from jaxtrain.extras import require
+
+    torch = require("torch", "comparing logits with transformers")
+    AutoModelForCausalLM = require("transformers", "comparing logits with transformers").AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True)
     model.eval()

@@ -9,7 +9,8 @@ import gin
 
 from jaxtrain.training.config_types import check_config_types
 from jaxtrain.training.device_groups import DeviceGroups
-from jaxtrain.data.packing import REPO_ROOT, DataConfig
+from jaxtrain.bundled import ROOT as BUNDLED_ROOT, gin_file
+from jaxtrain.data.packing import DataConfig
 from jaxtrain.training.mesh_configurable import GinMeshConfig
 from jaxtrain.training.optim import OptimizerConfig
 from jaxtrain.training.moved_bindings import apply_moved, split_moved
@@ -153,10 +154,10 @@ def load_experiment() -> Experiment:
 
 def parse_gin(files, bindings) -> None:
     add_config_search_path()
-    gin.parse_config_files_and_bindings(list(files), list(bindings), finalize_config=False)
+    gin.parse_config_files_and_bindings([gin_file(f) for f in files], list(bindings), finalize_config=False)
 
 
 @functools.cache
 def add_config_search_path() -> None:
     """Bundled configs `include 'configs/x.gin'`: resolve that from any working directory (once)."""
-    gin.add_config_file_search_path(str(REPO_ROOT))
+    gin.add_config_file_search_path(str(BUNDLED_ROOT))

@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxtrain.data.store.memory_source import text_files_source
 from jaxtrain.data.store.reopening_source import ReopeningSource
-from jaxtrain.data.text_files import REPO_ROOT, resolve_path
+from jaxtrain.data.text_files import BUNDLED_ROOT, resolve_path
 
 _DATASETS_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # save_to_disk folders
 
@@ -37,7 +37,7 @@ def _open_store(path: str, tokenizer: str):
 
 def _locate(entry: str) -> tuple[str, str]:
     """('raw' | 'store', path) of one DataConfig entry; raw paths as resolve_path finds them."""
-    for base in (pathlib.Path.cwd(), REPO_ROOT):
+    for base in (pathlib.Path.cwd(), BUNDLED_ROOT):
         given = pathlib.Path(entry).expanduser()
         full = given if given.is_absolute() else base / given
         if full.suffix in (".bin", ".idx") and full.with_suffix(".idx").exists():
