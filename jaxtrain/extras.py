@@ -2,7 +2,8 @@
 
 The core install trains, checkpoints and generates with the byte tokenizer; Hugging Face
 tokenizers and chat templates need transformers (`jaxtrain[hf]`), lm-evaluation-harness tasks
-need lm-eval (`jaxtrain[eval]`). `require` imports a module of an extra or raises MissingExtra,
+need lm-eval (`jaxtrain[eval]`), the wandb and MLflow trackers their packages (`jaxtrain[wandb]`,
+`jaxtrain[mlflow]`). `require` imports a module of an extra or raises MissingExtra,
 whose message is the one line a user needs: what needed it and what to install. It is a
 ValueError, which every CLI already reports as a one-line error with exit status 2.
 """
@@ -12,7 +13,7 @@ import importlib
 
 # module -> what to pip install for it
 INSTALLS = {"transformers": "'jaxtrain[hf]'", "tokenizers": "'jaxtrain[hf]'", "lm_eval": "'jaxtrain[eval]'",
-            "torch": "torch"}
+            "torch": "torch", "wandb": "'jaxtrain[wandb]'", "mlflow": "'jaxtrain[mlflow]'"}
 
 
 class MissingExtra(ValueError):

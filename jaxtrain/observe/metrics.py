@@ -1,4 +1,5 @@
-"""Step metrics to the terminal (progress bar), metrics.jsonl and TensorBoard event files.
+"""Step metrics to the terminal (progress bar), metrics.jsonl and the trackers of
+ObserveConfig.trackers (TensorBoard event files by default; jaxtrain/observe/trackers.py).
 
 Only process 0 writes. Values arrive as device arrays one step late, so fetching them never
 stalls the device queue (see Trainer).
@@ -11,6 +12,8 @@ import os
 import sys
 
 import jax
+
+from jaxtrain.observe.trackers import RunInfo, open_trackers
 
 
 def device_memory() -> dict:
@@ -28,17 +31,23 @@ def device_memory() -> dict:
 
 
 class MetricsWriter:
-    def __init__(self, workdir: str, total_steps: int, start_step: int = 0, enabled: bool = True):
+    def __init__(self, workdir: str, total_steps: int, start_step: int = 0, enabled: bool = True,
+                 trackers: tuple[str, ...] = ("tensorboard",), config: dict | None = None, gin: str | None = None):
+        """`trackers`: the names of ObserveConfig.trackers, opened here (process 0) and told the run's
+        `config` (jaxtrain.observe.trackers.config_values of its parts) and `gin` text once."""
         self.enabled = enabled
         self.bar = None
         if not enabled:
             return
-        from tensorboardX import SummaryWriter
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.jsonl = None
         self.rewind(start_step)
-        self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        try:
+            self.trackers = open_trackers(trackers, RunInfo(workdir, config or {}, gin))
+        except BaseException:
+            self.jsonl.close()
+            raise
         if sys.stderr.isatty():
             from tqdm import tqdm
             self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True)
@@ -65,9 +74,9 @@ class MetricsWriter:
         clean = {k: (float(v) if v is not None else None) for k, v in metrics.items()}
         self.jsonl.write(json.dumps({"step": step, "kind": kind, **clean}) + "\n")
         self.jsonl.flush()
-        for k, v in clean.items():
-            if v is not None and math.isfinite(v):
-                self.tb.add_scalar(f"{kind}/{k}", v, step)
+        finite = {k: v for k, v in clean.items() if v is not None and math.isfinite(v)}
+        for tracker in self.trackers:
+            tracker.scalars(step, kind, finite)
         headline = ("loss", "perplexity", "tokens_per_sec", "mfu")
         summary = " ".join(f"{k}={v:.4g}" for k, v in clean.items()
                            if (k in headline or kind == "tasks") and v is not None)
@@ -86,17 +95,19 @@ class MetricsWriter:
             return
         self.jsonl.write(json.dumps({"step": step, "kind": "sample", "samples": samples}) + "\n")
         self.jsonl.flush()
-        for i, sample in enumerate(samples):
-            self.tb.add_text(f"samples/{i}", f"**{sample['prompt']}**{sample['text']}", step)
+        for tracker in self.trackers:
+            tracker.samples(step, samples)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """`failed`: the run ends by an error (the trackers that record an outcome mark it failed)."""
         if not self.enabled:
             return
         self.enabled = False  # closing twice (an error path, then the end of the run) is harmless
         if self.bar is not None:
             self.bar.close()
         self.jsonl.close()
-        self.tb.close()
+        for tracker in self.trackers:
+            tracker.close(failed)
 
 
 def _row_step(line: str) -> float:

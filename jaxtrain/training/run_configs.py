@@ -3,7 +3,7 @@
     LossConfig         what the loss adds and how it is chunked (models/loss.py)
     CheckpointConfig   when to save, how many steps to keep, and how to resume
     ResilienceConfig   peers, hangs and non-finite steps (jaxtrain/resilience/)
-    ObserveConfig      logs, evals, samples, MFU, profiles and the sharding audit at start
+    ObserveConfig      logs and their trackers, evals, samples, MFU, profiles and the sharding audit at start
 
 Each is bound from the Experiment (`Experiment.checkpoint = @CheckpointConfig()`), or left
 unbound to take its gin bindings and defaults, like every other part.
@@ -15,6 +15,7 @@ from typing import Any
 
 import gin
 
+from jaxtrain.observe.trackers import check_trackers
 from jaxtrain.resilience.nonfinite import Halt
 from jaxtrain.training.config_types import check_config_types
 
@@ -113,6 +114,9 @@ class ObserveConfig:
     # The parameters' sharding audit is printed at start (meshes/sharding_audit.py); a run whose
     # replicated copies exceed this fraction of a device's parameter bytes stops there (exit 2).
     max_replicated: float | None = None
+    # Where the metrics rows go besides metrics.jsonl, from process 0 with the run's config: any of
+    # "tensorboard", "wandb", "mlflow" (jaxtrain/observe/trackers.py; wandb and mlflow are pip extras).
+    trackers: tuple[str, ...] = ("tensorboard",)
 
     def validate(self) -> None:
         check_config_types(self)
@@ -130,6 +134,7 @@ class ObserveConfig:
                              f"got {self.profile_steps}")
         if self.max_replicated is not None and not 0 <= self.max_replicated <= 1:
             raise ValueError(f"ObserveConfig.max_replicated must be a fraction in [0, 1], got {self.max_replicated}")
+        check_trackers(self.trackers)  # a name it does not know, or a tracker whose package is missing
 
 
 RUN_CONFIGS = {"loss": LossConfig, "checkpoint": CheckpointConfig, "resilience": ResilienceConfig, "observe": ObserveConfig}

@@ -92,11 +92,11 @@ class TrainLoop:
             message = f"process {jax.process_index()}: {e}"
             self.peers.report_failure(message)
             if self._writer is not None:
-                self._writer.close()
+                self._writer.close(failed=True)
             raise RunStopped(message, exit_codes.CHECKPOINT) from None
         except BaseException:  # halted (non-finite), or an unexpected error: keep what was saved
             try:
-                self._close()
+                self._close(failed=True)
             except RunStopped:
                 pass
             raise
@@ -236,7 +236,7 @@ class TrainLoop:
             if wait:
                 self.checkpointer.wait()
 
-    def _close(self) -> None:
+    def _close(self, failed: bool = False) -> None:
         try:
             self.checkpointer.close()
         except CheckpointSaveError as e:  # the last save failed
@@ -245,12 +245,14 @@ class TrainLoop:
             raise RunStopped(message, exit_codes.CHECKPOINT) from None
         finally:
             if self._writer is not None:
-                self._writer.close()
+                self._writer.close(failed)
 
     @property
     def writer(self) -> MetricsWriter:
         if self._writer is None:
-            self._writer = MetricsWriter(self.parts.workdir, self.t.steps, self.resumed_at, enabled=self.is_main)
+            self._writer = MetricsWriter(self.parts.workdir, self.t.steps, self.resumed_at, enabled=self.is_main,
+                                         trackers=self.observe.trackers, config=self.parts.tracked_config,
+                                         gin=self.parts.config_text)
         return self._writer
 
     def _log(self, step: int, values: dict, elapsed: float) -> None:

@@ -29,3 +29,6 @@ class LoopParts:
     peak_flops: float | None
     make_sampler: Callable  # () -> params -> samples (built at the first sample)
     evaluate_tasks: Callable | None = None  # params -> {"task/metric": score} (ObserveConfig.eval_tasks)
+    # what ObserveConfig.trackers are told of the run: its config parts as plain values, its gin text
+    tracked_config: dict = dataclasses.field(default_factory=dict)
+    config_text: str | None = None

@@ -23,6 +23,7 @@ from jaxtrain.training.config_types import check_config_types
 from jaxtrain.data.packing import check_sources_fit, make_eval_batches, make_train_iterator
 from jaxtrain.checkpoints.fingerprint import leaf_path
 from jaxtrain.observe.flops import peak_flops
+from jaxtrain.observe.trackers import config_values
 from jaxtrain.resilience import exit_codes
 from jaxtrain.resilience.exit_codes import RunStopped
 from jaxtrain.resilience.peers import Peers
@@ -225,7 +226,8 @@ class Trainer:
             restore_or_init=self.restore_or_init, leaf_paths=self.leaf_paths,
             flops_per_token=exp.model.flops_per_token(t.seq_len),
             peak_flops=peak_flops(jax.devices()[0].device_kind, exp.observe.peak_flops_per_device),
-            make_sampler=lambda: self.sampler, evaluate_tasks=self.task_evaluator)
+            make_sampler=lambda: self.sampler, evaluate_tasks=self.task_evaluator,
+            tracked_config=config_values(exp), config_text=self.config_text)
 
     # -- loop --------------------------------------------------------------------------------
     def run(self, stop_after: int | None = None, signals=None) -> list[dict]:
