@@ -10,7 +10,7 @@ ARGS ?=
 # Whole modules go to one worker (loadscope) so module fixtures (reference runs) are built once.
 TEST_WORKERS ?= 2
 
-.PHONY: train test test-extended test-fast test-e2e test-reference test-full-size docs venv clean
+.PHONY: train test test-extended test-fast test-py312 test-e2e test-reference test-full-size docs venv clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,13 @@ test-e2e: $(VENV)/.stamp
 # lane, less their tests marked slow (a model-size compile or a whole run) or end_to_end (tests/conftest.py).
 test-fast: $(VENV)/.stamp
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope -m "fast and not slow and not end_to_end" $(ARGS)
+
+# The quick lane on Python 3.12 with the newest jax the pins allow (what the GPU image and a new
+# user on 3.12 get), in its own venv. The test extra's torch-based references are for 3.11 only
+# (the CPU torch build on disk is cp311), so their tests skip there.
+PYTHON312 ?= python3.12
+test-py312:
+	$(MAKE) test-fast PYTHON=$(PYTHON312) VENV=.venv312 ARGS="$(ARGS)"
 
 # The 16-device reference layout end to end (27- and 52-layer models, 20 steps, resumes): ~7 min
 # on two cores, so it is its own target; CI runs it after the suite.

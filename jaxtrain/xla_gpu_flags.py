@@ -82,8 +82,11 @@ def _library_files() -> list[str]:
 
 
 def known_flags(names, files=None) -> set[str]:
-    """The flag names (without dashes) that appear in the given shared libraries' bytes (one
-    pass over each library for every `xla_*` word in it)."""
+    """The flag names (without dashes) that appear in the given shared libraries' bytes as C
+    strings of their own, NUL on both sides, as a registered flag's name is (one pass over each
+    library for every such `xla_*` string). A removed flag's name can live on inside the options
+    proto's descriptor, among its reserved field names, where no NUL surrounds it: that one
+    does not count, since XLA aborts on it."""
     names = set(names)
     found = set()
     for path in (_library_files() if files is None else files):
@@ -92,7 +95,7 @@ def known_flags(names, files=None) -> set[str]:
                 if os.fstat(f.fileno()).st_size == 0:
                     continue
                 with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                    words = {m.group().decode() for m in re.finditer(rb"xla_[a-z0-9_]+", data)}
+                    words = {m.group().decode() for m in re.finditer(rb"(?<=\x00)xla_[a-z0-9_]+(?=\x00)", data)}
         except OSError:
             continue
         found |= names & words

@@ -26,7 +26,9 @@ def lower_for_gpu(fn, *args, device_kind: str = GPU_DEVICE_KINDS["H100"], **kwar
     raises (e.g. ValueError for a non-power-of-2 block).
     """
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=_NUM_SMS, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=device)
+    # Auto axes, as jax's default was before it became Explicit: the kernels' wrappers make
+    # arrays without sharding annotations, which Explicit axes would have to type.
+    mesh = jax.sharding.AbstractMesh((1,), ("gpu",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=device)
     with jax.sharding.use_abstract_mesh(mesh):
         traced = jax.jit(fn).trace(*args, **kwargs)
         lowered = traced.lower(lowering_platforms=("cuda",))

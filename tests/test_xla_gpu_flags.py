@@ -43,7 +43,10 @@ def test_only_flags_the_installed_jaxlib_names_are_added(tmp_path):
     assert sorted(f.split("=")[0][2:] for f in flags) == sorted(known)
     # the filter reads libraries' bytes: a fake library naming one flag knows only that one
     lib = tmp_path / "libfake.so"
-    lib.write_bytes(b"\0junk xla_gpu_enable_latency_hiding_scheduler\0 xla_gpu_enable_pipelined_all_gathe\0")
+    # a registered flag is a C string of its own; a removed one may remain as a reserved field
+    # name in the options proto's descriptor (length-prefixed, no NUL around it)
+    lib.write_bytes(b"\0xla_gpu_enable_latency_hiding_scheduler\0 xla_gpu_enable_pipelined_all_gathe\0"
+                    b"R\x1bxla_gpu_enable_while_loop_double_bufferingR\x17")
     assert g.known_flags(ALL, files=[str(lib)]) == {"xla_gpu_enable_latency_hiding_scheduler"}
     # and the installed jaxlib names the scheduler flag but not an invented one
     real = g.known_flags({"xla_gpu_enable_latency_hiding_scheduler", "xla_gpu_no_such_flag_jaxtrain"})

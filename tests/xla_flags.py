@@ -14,29 +14,20 @@ suite's own process (tests/conftest.py) and for the CLI processes tests start
 Neither changes what a test compares: every side of a comparison is compiled alike."""
 from __future__ import annotations
 
-import glob
-import importlib.util
-import mmap
 import os
+import sys
 
 DEVICE_COUNT = "--xla_force_host_platform_device_count=16"
 
 
 def _jaxlib_knows(flag: str) -> bool:
-    """Whether this jaxlib's libraries name `flag` (an XLA flag it does not know aborts the
-    process, and XLA renames flags between releases). jaxlib is looked at, not imported: XLA
-    reads XLA_FLAGS once, when jax starts."""
-    spec = importlib.util.find_spec("jaxlib")
-    if spec is None or spec.origin is None:
-        return False
-    for path in glob.glob(os.path.join(os.path.dirname(spec.origin), "**", "*.so"), recursive=True):
-        with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size == 0:
-                continue
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                if data.find(flag.encode()) >= 0:
-                    return True
-    return False
+    """Whether this jaxlib registers `flag` (an XLA flag it does not know aborts the process, and
+    XLA removes flags between releases). jaxlib is looked at, not imported: XLA reads XLA_FLAGS
+    once, when jax starts."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from jaxtrain.xla_gpu_flags import known_flags  # imports no jax
+
+    return flag in known_flags([flag])
 
 
 COMPILE_FLAGS = " ".join(["--xla_backend_optimization_level=0"]
