@@ -11,6 +11,8 @@ step's share of each. The layouts:
     reference   the reference 16-GPU layout: pipeline 2 (layers 14/13), data 2, context 2,
                 tensor 2, the routed experts folded over data x context (expert parallel 4,
                 tensor their expert-data axis), 4 microbatches
+    expert4axis data 2, context 2, expert 2, tensor 2 with the experts' hidden dimension over tensor
+                (rules fsdp+expert_tp), no pipeline
 
 With the base frozen, a LoRA step keeps no gradient and no Adam moment for it: the optimizer
 state is the adapters' alone and the temp loses the base's gradient buffers. Sets its own
@@ -26,6 +28,7 @@ import sys
 LAYOUTS = {
     "fsdp": "data=16,rules=fsdp",
     "reference": "pipeline=2,data=2,context=2,tensor=2,rules=fsdp+experts_folded,split=14/13,microbatches=4",
+    "expert4axis": "data=2,context=2,expert=2,tensor=2,rules=fsdp+expert_tp",
 }
 TARGETS = ("q", "kv_a", "kv_b", "o", "gate", "up", "down", "shared_gate", "shared_up", "shared_down",
            "experts_gate_up", "experts_down")

@@ -58,10 +58,13 @@ class Indivisible(enum.Enum):
 class LogicalName:
     meaning: str
     indivisible: Indivisible = Indivisible.ERROR
+    # A yielding name takes only the axes its tensor's other names leave free, wherever it stands:
+    # a split kept for memory alone must not take an axis from the split the compute relies on.
+    yields: bool = False
 
 
-def _n(meaning: str, indivisible: Indivisible = Indivisible.ERROR) -> LogicalName:
-    return LogicalName(meaning, indivisible)
+def _n(meaning: str, indivisible: Indivisible = Indivisible.ERROR, yields: bool = False) -> LogicalName:
+    return LogicalName(meaning, indivisible, yields)
 
 
 LOGICAL_NAMES: dict[str, LogicalName] = {
@@ -114,11 +117,12 @@ LOGICAL_NAMES: dict[str, LogicalName] = {
     "ssm_state": _n("Mamba-2 state size (kept whole)"),
     "conv_kernel": _n("taps of the Mamba-2 short causal conv (kept whole)"),
     # Adapters (models/lora.py) take the rest of their names from the weight they adapt, so they
-    # split like it. Their rank is kept whole for compute; FSDP splits it over the data axes where
-    # the weight's other names leave those free (a factor without the model width, e.g. B of a
-    # query projection), so no adapter factor is held whole on every data-parallel device.
-    "lora_rank": _n("the rank of a low-rank adapter's two factors (FSDP splits it over the data axes)",
-                    Indivisible.REPLICATE),
+    # split like it. Their rank is kept whole for compute; FSDP stores it split over whichever of
+    # the data, context and tensor axes the factor's other names leave free (B of a query
+    # projection has no model width; A of an expert split over tensor by ETP has its hidden
+    # dimension elsewhere), so no adapter factor is held whole on devices that hold its weight's parts.
+    "lora_rank": _n("the rank of a low-rank adapter's two factors (FSDP stores it split over the axes "
+                    "the factor's other names leave free)", Indivisible.REPLICATE, yields=True),
 }
 
 
@@ -188,8 +192,11 @@ def spec_for(names: Sequence[str | None], shape: Sequence[int], table: Table, me
         raise ShardingRuleError(f"logical axes {tuple(names)} do not match shape {tuple(shape)}")
     check_names(names, shape)
     used: set[str] = set()
-    entries = []
-    for name, dim in zip(names, shape):
+    entries: list = [None] * len(names)
+    # yielding names last: they take what the others leave
+    order = sorted(range(len(names)), key=lambda i: bool(names[i]) and LOGICAL_NAMES[names[i]].yields)
+    for i in order:
+        name, dim = names[i], shape[i]
         axes = [a for a in table.get(name, ()) if a not in used and mesh.shape[a] > 1] if name else []
         if axes and dim % math.prod(mesh.shape[a] for a in axes):
             policy = LOGICAL_NAMES[name].indivisible
@@ -201,7 +208,7 @@ def spec_for(names: Sequence[str | None], shape: Sequence[int], table: Table, me
             while axes and dim % math.prod(mesh.shape[a] for a in axes):
                 axes.pop()
         used.update(axes)
-        entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+        entries[i] = None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
     return PartitionSpec(*entries)
 
 
@@ -238,8 +245,8 @@ _FSDP_PARAMS: Table = {**_TENSOR_PARALLEL_PARAMS, "embed": DATA_PARALLEL_AXES + 
                        # MLA's q_up / kv_up [rank, heads, head_dim] have no embed dimension: without
                        # this they stay whole under FSDP (V2-Lite: 0.2 GiB of params per device).
                        "q_lora": DATA_PARALLEL_AXES + ("context",), "kv_lora": DATA_PARALLEL_AXES + ("context",),
-                       # an adapter factor whose other dimensions leave the data axes free
-                       "lora_rank": DATA_PARALLEL_AXES + ("context",)}
+                       # an adapter factor's rank, over the axes its other dimensions leave free
+                       "lora_rank": DATA_PARALLEL_AXES + ("context", "tensor")}
 # Sequence parallel: between blocks the residual stream is split over tensor as well, turning
 # the tensor-parallel all-reduces into reduce-scatter + all-gather pairs.
 _SEQUENCE_PARALLEL_ACTIVATIONS: Table = {**_ACTIVATIONS, "residual_length": ("context", "tensor")}

@@ -209,16 +209,16 @@ def test_base_gets_no_gradient_and_no_optimizer_state():
     assert sum(x.size for x in jax.tree.leaves(grads)) == adapter_size
     # and the sharding of each factor follows the weight it adapts: A's embed over the FSDP
     # axes like the kernel's, B's heads over tensor like the kernel's; FSDP stores the rank over
-    # data where nothing else holds it (B of q has no embed), so no factor is whole on every
-    # data-parallel device, and Adam's moments are laid out like the factors
+    # the axes the factor's other names leave free (A's: tensor, B's: data), so every factor is
+    # split over all four devices, and Adam's moments are laid out like the factors
     q = setup.state.shardings.params["stacks"]["blocks"]["layers"]["attn"]["q"]
     assert q["kernel"].spec[1] == q["adapter"]["a"].spec[1] == "data"
     assert q["kernel"].spec[2] == q["adapter"]["b"].spec[2] == "tensor"
-    assert q["adapter"]["a"].spec[2] is None and q["adapter"]["b"].spec[1] == "data"
+    assert q["adapter"]["a"].spec[2] == "tensor" and q["adapter"]["b"].spec[1] == "data"
     for tree in (setup.state.shardings.params, setup.state.shardings.opt_state):
         for path, sharding in jax.tree_util.tree_leaves_with_path(tree):
             if "adapter" in jax.tree_util.keystr(path):
-                assert "data" in jax.tree.leaves(tuple(sharding.spec)), jax.tree_util.keystr(path)
+                assert {"data", "tensor"} <= set(jax.tree.leaves(tuple(sharding.spec))), jax.tree_util.keystr(path)
 
 
 @pytest.mark.parametrize("rules", ["fsdp", "zero1", "dp"])
