@@ -235,7 +235,7 @@ def test_a_switched_stage_keeps_run_by_runs_residuals_only_under_remat_full(hybr
     """What the two loops keep for the backward pass, counted on the traced program (no mesh): under
     remat `full` each slot keeps its input either way, so the switch holds what run by run holds;
     under `none` a switch keeps every branch's residuals at every slot (why training scans such
-    a stage run by run). XLA's compiled temp of a pipelined step can still differ (README,
+    a stage run by run). XLA's compiled temp of a pipelined step can still differ (docs/pipeline.md,
     pipeline section: the compiled loop of a sharded step keeps more); this pins the traced part."""
     model, (x, positions, segments) = hybrid
     plan = plan_stages(layer_sequence(model), stages=2, repeats=1, counts=(5, 3))

@@ -1,4 +1,4 @@
-"""The longest row of README's Long context table, compile only: the default Llama
+"""The longest row of the long-context table (benchmarks/RESULTS.md, docs/long-context.md), compile only: the default Llama
 (configs/default.gin, remat full) on 4,194,304 tokens over context=16, blockwise attention with
 the K/V ring, as `benchmarks/context_tables.sh` benches it. XLA:CPU's temp per device must stay
 under 15.5 GiB (the bench prints it as "GB", divided by 2**30), inside the 16 GiB the table

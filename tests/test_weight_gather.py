@@ -86,7 +86,7 @@ def _weight_collectives(text):
 
 
 def test_fsdp_tables_cast_then_gather_by_default_and_the_overlays_choose():
-    """The FSDP tables gather bf16 and reduce float32 by default (chosen by measurement, README
+    """The FSDP tables gather bf16 and reduce float32 by default (chosen by measurement, benchmarks/RESULTS.md
     "bf16 FSDP gathers": re-gathered in the backward, temp within +-1.5% of casting where used on
     the default Llama, -37% gathered bytes on tiny DeepSeek); the tables that gather no weights
     keep casting where used (only their gradient reductions would change)."""

@@ -17,7 +17,6 @@ host array back to the device: the sums add up exactly, modulo 2**32.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
