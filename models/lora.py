@@ -64,10 +64,10 @@ INITS: Mapping[str, Callable[["LoraConfig", int], Callable]] = {
 class LoraConfig:
     """Which projections get adapters and how: `targets` are names of the model family's table
     (models/family.py adapter_targets), e.g. Llama's q, k, v, o, gate, up, down."""
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    targets: tuple[str, ...] = ("q", "v")
+    rank: int = 8  # inner width of each adapter's two factors
+    alpha: float = 16.0  # the adapter term is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapter's input (only 0.0 is supported)
+    targets: tuple[str, ...] = ("q", "v")  # projections to adapt, by the family's target names
     init: str = "kaiming"  # kaiming | gaussian (A's initialization; B starts at zero)
     use_rslora: bool = False  # scale alpha / sqrt(rank) instead of alpha / rank
 

@@ -35,13 +35,13 @@ GinDeviceGroups = gin.external_configurable(DeviceGroups, name="DeviceGroups", m
 class TrainConfig:
     """The run's shape and layout. The loss settings, checkpointing, resilience and observability
     have their own configurables (jaxtrain/training/run_configs.py)."""
-    steps: int = 100
-    global_batch: int = 8
-    seq_len: int = 128
+    steps: int = 100  # optimizer steps of the whole run (a resumed run stops here too)
+    global_batch: int = 8  # sequences per optimizer step, over all devices and microbatches
+    seq_len: int = 128  # tokens per training sequence
     # The layout fields (rules, microbatches, context_parallel) are read through the run's
     # ParallelPlan (jaxtrain/training/parallel_plan.py), with MeshConfig and Experiment.pipeline.
     microbatches: int = 1  # gradient accumulation steps per optimizer step
-    seed: int = 0
+    seed: int = 0  # parameter initialization and data order
     rules: str = "dp"  # rule table in meshes/rules.py: dp | zero1 | fsdp | dp_sp | fsdp_sp
     # The sequence over the `context` axis: layout (LoadBalanced | Contiguous) and how ranks see
     # each other's keys (RingKV | AllGatherKV | LatentKV: MLA gathers its latent); meshes/context_layout.py.

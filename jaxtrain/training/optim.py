@@ -19,15 +19,15 @@ from jaxtrain.training.trained_params import only_trained, trained_params
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    learning_rate: float = 3e-4
-    warmup_steps: int = 100
+    learning_rate: float = 3e-4  # peak learning rate, reached after the warmup
+    warmup_steps: int = 100  # linear warmup from zero
     decay: str = "cosine"  # cosine | linear | constant
     min_lr_ratio: float = 0.1  # final learning rate as a fraction of the peak
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    clip_norm: float | None = 1.0
+    b1: float = 0.9  # AdamW's first-moment decay
+    b2: float = 0.95  # AdamW's second-moment decay
+    eps: float = 1e-8  # AdamW's denominator term
+    weight_decay: float = 0.1  # decoupled, on weight matrices only (norms and biases are exempt)
+    clip_norm: float | None = 1.0  # global gradient-norm clip (None: no clipping)
 
 
 def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
